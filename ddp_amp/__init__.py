@@ -1,0 +1,37 @@
+"""ddp_amp: DistributedDataParallel + automatic mixed precision, on any launcher.
+
+Each layer is usable from your own script:
+
+    from ddp_amp import detect_env, init_distributed, resolve_precision, AutocastModule
+
+The CLI (`python -m ddp_amp.train`) is built on the same public pieces.
+"""
+
+from ddp_amp.autocast import AutocastModule, unwrap_model
+from ddp_amp.config import TrainConfig
+from ddp_amp.dist import DistContext, distributed, init_distributed, shutdown_distributed
+from ddp_amp.env import DistEnv, detect_env
+from ddp_amp.errors import UsageError
+from ddp_amp.precision import Precision, resolve_precision
+from ddp_amp.scaler import AgreedGradScaler
+from ddp_amp.tasks import Task, load_task
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AgreedGradScaler",
+    "AutocastModule",
+    "DistContext",
+    "DistEnv",
+    "Precision",
+    "Task",
+    "TrainConfig",
+    "UsageError",
+    "detect_env",
+    "distributed",
+    "init_distributed",
+    "load_task",
+    "resolve_precision",
+    "shutdown_distributed",
+    "unwrap_model",
+]

@@ -1,0 +1,143 @@
+"""The run's configuration: one frozen dataclass whose field help doubles as `--help`.
+
+Each field's `help` metadata is its docstring; `choices` metadata limits its values.
+`parse_config(argv)` builds the argparse parser from the fields, so an option cannot
+exist without help text, and turns every parse failure into a one-line `UsageError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from ddp_amp.errors import UsageError
+from ddp_amp.precision import PRECISION_CHOICES
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything `python -m ddp_amp.train` can be told. Field help is the `--help` text."""
+
+    task: str = _opt("mlp", "built-in task name (mlp) or a plugin 'package.module:function' "
+                     "that takes this config and returns a ddp_amp.Task")
+    task_opt: tuple[str, ...] = _opt((), "task option KEY=VALUE, repeatable; read by the task "
+                                     "(e.g. --task-opt hidden=256)")
+    run_dir: str = _opt("", "directory for config, metrics, checkpoints and the summary; "
+                        "default runs/<task>-<job id>, stable across torchrun/SLURM restarts")
+    max_steps: int = _opt(200, "optimizer steps to run (skipped fp16 steps count as steps)")
+    batch_size: int = _opt(64, "global batch size per optimizer step, summed over ranks and "
+                           "accumulation micro-steps; must divide by world size x --grad-accum")
+    grad_accum: int = _opt(1, "micro-steps accumulated per optimizer step (DDP syncs only on the last)")
+    lr: float = _opt(0.0, "learning rate; 0 means the task's own default")
+    optimizer: str = _opt("auto", "optimizer: auto (the task's own, else AdamW), adamw, sgd",
+                          ("auto", "adamw", "sgd"))
+    clip_grad_norm: float = _opt(0.0, "clip the global grad norm to this after unscaling; 0 = off")
+    seed: int = _opt(0, "seed for model init (same on all ranks) and data order; rank r "
+                     "seeds its own RNGs with seed + r after the model is built")
+    precision: str = _opt("auto", "auto (bf16 on GPUs/CPUs with bf16 units, else fp16 on GPUs, "
+                          "else fp32), fp32, bf16, or fp16 (with loss scaling)", PRECISION_CHOICES)
+    device: str = _opt("auto", "auto (cuda if available), cuda (GPU of the local rank), or cpu",
+                       ("auto", "cuda", "cpu"))
+    backend: str = _opt("auto", "process-group backend: auto (nccl on cuda, gloo on cpu), nccl, "
+                        "gloo (needed for several ranks on one GPU)", ("auto", "nccl", "gloo"))
+    dist_timeout: float = _opt(600.0, "seconds a collective may wait for a peer before the "
+                               "job fails instead of hanging")
+    num_workers: int = _opt(0, "DataLoader worker processes per rank")
+    log_every: int = _opt(20, "print and record metrics every N optimizer steps")
+    debug: bool = _opt(False, "show full tracebacks on errors")
+
+    def __post_init__(self) -> None:
+        positive = {"max_steps": self.max_steps, "batch_size": self.batch_size,
+                    "grad_accum": self.grad_accum, "log_every": self.log_every}
+        for name, value in positive.items():
+            if value < 1:
+                raise UsageError(_flag(name), value, "an integer >= 1", "")
+        for name in ("lr", "clip_grad_norm"):
+            if getattr(self, name) < 0:
+                raise UsageError(_flag(name), getattr(self, name), "a number >= 0", "")
+        if self.dist_timeout <= 0:
+            raise UsageError("--dist-timeout", self.dist_timeout, "seconds > 0", "")
+        if self.num_workers < 0:
+            raise UsageError("--num-workers", self.num_workers, "an integer >= 0", "")
+        for item in self.task_opt:
+            if "=" not in item:
+                raise UsageError("--task-opt", item, "KEY=VALUE", "e.g. --task-opt hidden=256")
+
+    def task_options(self) -> dict[str, str]:
+        return dict(item.split("=", 1) for item in self.task_opt)
+
+    def micro_batch_size(self, world_size: int) -> int:
+        """Per-rank batch of one micro-step; raises if the global batch does not divide."""
+        parts = world_size * self.grad_accum
+        if self.batch_size % parts:
+            raise UsageError("--batch-size", self.batch_size,
+                             f"a multiple of world size x --grad-accum = {world_size} x "
+                             f"{self.grad_accum} = {parts}",
+                             f"try --batch-size {max(parts, self.batch_size // parts * parts)}")
+        return self.batch_size // parts
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises a one-line UsageError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments: "):
+            unknown = message.split(": ", 1)[1].split()[0]
+            flags = [a for action in self._actions for a in action.option_strings]
+            close = difflib.get_close_matches(unknown.split("=")[0], flags, n=1)
+            hint = f"did you mean {close[0]}?" if close else "see --help"
+            raise UsageError("option", unknown, "a known option", hint)
+        bad_value = re.match(r"argument (\S+?)(?:/\S+)?: invalid (\w+) value: '(.*)'", message)
+        if bad_value:
+            flag, kind, value = bad_value.groups()
+            raise UsageError(flag, value, f"a value of type {kind}", "see --help")
+        raise UsageError("arguments", " ".join(self.last_argv), "valid options", message)
+
+    last_argv: list[str] = []
+
+
+def build_parser(prog: str = "python -m ddp_amp.train") -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, description="Train with DDP + automatic mixed precision. "
+                     "Launch with python, torchrun or srun; the launcher is detected.",
+                     allow_abbrev=False)
+    for f in dataclasses.fields(TrainConfig):
+        flag, help_text = _flag(f.name), f.metadata["help"]
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", help=help_text)
+        elif f.name == "task_opt":
+            parser.add_argument(flag, action="append", default=[], metavar="KEY=VALUE", help=help_text)
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            parser.add_argument(flag, type=kind, default=f.default, help=help_text + f" (default: {f.default})",
+                                metavar=f.name.upper())
+    return parser
+
+
+def parse_config(argv: list[str]) -> TrainConfig:
+    """Parse command-line options into a TrainConfig (raises UsageError on bad input)."""
+    parser = build_parser()
+    _Parser.last_argv = list(argv)
+    namespace = parser.parse_args(argv)
+    values = vars(namespace)
+    for f in dataclasses.fields(TrainConfig):
+        choices = f.metadata.get("choices")
+        if choices and values[f.name] not in choices:
+            raise UsageError(_flag(f.name), values[f.name], "one of " + ", ".join(choices),
+                             f"see {_flag(f.name)} in --help")
+    values["task_opt"] = tuple(values["task_opt"])
+    return TrainConfig(**values)

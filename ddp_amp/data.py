@@ -1,0 +1,82 @@
+"""An endless, resumable stream of per-rank micro-batches over epochs.
+
+Each epoch draws its order from a `DistributedSampler` with `set_epoch(epoch)`, so every
+rank sees a disjoint shard and the order changes per epoch but is the same for a given
+seed. The position (epoch, micro-batch within the epoch) is part of a checkpoint, and
+`load_state_dict` resumes at exactly that micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from ddp_amp.errors import UsageError
+
+
+class BatchStream:
+    """Micro-batches for one rank, epoch after epoch, starting at a saved position."""
+
+    def __init__(self, dataset: Dataset, micro_batch_size: int, rank: int, world_size: int,
+                 seed: int, device: torch.device, num_workers: int = 0, shuffle: bool = True) -> None:
+        self.dataset = dataset
+        self.micro_batch_size = micro_batch_size
+        self.device = device
+        self.num_workers = num_workers
+        # drop_last keeps every rank's shard the same length, so no rank waits on a
+        # collective that another rank never reaches at the end of an epoch.
+        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
+                                          shuffle=shuffle, seed=seed, drop_last=True)
+        self.batches_per_epoch = len(self.sampler) // micro_batch_size
+        if self.batches_per_epoch < 1:
+            raise UsageError("--batch-size", micro_batch_size * world_size,
+                             f"at most the dataset size ({len(dataset)}) per world",  # type: ignore[arg-type]
+                             "lower --batch-size or use a larger dataset")
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self._iterator: Iterator[Any] | None = None
+
+    def state_dict(self) -> dict[str, int]:
+        """Position of the next micro-batch to be drawn."""
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch = int(state["epoch"])
+        self.batch_in_epoch = int(state["batch_in_epoch"])
+        self._iterator = None
+
+    def _start_epoch(self) -> Iterator[Any]:
+        self.sampler.set_epoch(self.epoch)
+        order = list(self.sampler)[self.batch_in_epoch * self.micro_batch_size:]
+        loader = DataLoader(self.dataset, batch_size=self.micro_batch_size, sampler=order,
+                            drop_last=True, num_workers=self.num_workers,
+                            pin_memory=self.device.type == "cuda")
+        return iter(loader)
+
+    def __iter__(self) -> BatchStream:
+        return self
+
+    def __next__(self) -> Any:
+        if self.batch_in_epoch >= self.batches_per_epoch:
+            self.epoch += 1
+            self.batch_in_epoch = 0
+            self._iterator = None
+        if self._iterator is None:
+            self._iterator = self._start_epoch()
+        batch = next(self._iterator)
+        self.batch_in_epoch += 1
+        return to_device(batch, self.device)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move tensors (also inside tuples, lists and dicts) to `device`, without blocking."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    return batch

@@ -1,0 +1,156 @@
+"""Process-group lifecycle: device and backend choice, init with a timeout, teardown.
+
+A single process gets no process group at all; every collective helper here is a no-op
+for a world of one, so the trainer runs the same code path everywhere.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from ddp_amp.env import DistEnv
+from ddp_amp.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+DeviceChoice = Literal["auto", "cuda", "cpu"]
+BackendChoice = Literal["auto", "nccl", "gloo"]
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """The launch environment plus what was chosen for it: device and backend."""
+
+    env: DistEnv
+    device: torch.device
+    backend: str | None  # None: no process group (a world of one)
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def has_group(self) -> bool:
+        return self.backend is not None and dist.is_initialized()
+
+
+def resolve_device(choice: DeviceChoice, env: DistEnv, backend: BackendChoice = "auto") -> torch.device:
+    """Pick this rank's device: the GPU of its local rank, or the CPU."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cpu":
+        return torch.device("cpu")
+    if choice != "cuda":
+        raise UsageError("--device", choice, "one of auto, cuda, cpu", "")
+    if not torch.cuda.is_available():
+        raise UsageError("--device", choice, "a machine with a CUDA GPU",
+                         "use --device cpu or --device auto")
+    count = torch.cuda.device_count()
+    if env.local_rank >= count:
+        if backend != "gloo":
+            raise UsageError("LOCAL_RANK", env.local_rank, f"< {count} visible GPUs",
+                             "start one process per GPU (--nproc_per_node / --ntasks-per-node), "
+                             "or use --backend gloo to share GPUs")
+        return torch.device("cuda", env.local_rank % count)
+    return torch.device("cuda", env.local_rank)
+
+
+def resolve_backend(choice: BackendChoice, device: torch.device) -> str:
+    if choice == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if choice == "nccl" and device.type != "cuda":
+        raise UsageError("--backend", choice, "a CUDA device for nccl", "use --backend gloo on CPU")
+    return choice
+
+
+def _open_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+    is_server = env.rank == 0 and not env.agent_hosts_store
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_server,
+                          timeout=timeout, wait_for_workers=is_server)
+    # After a torchrun restart the agent's store still holds the keys of the failed
+    # attempt; re-forming gloo on them fails or hangs (FACTS.md: 3 of 8). A fresh prefix
+    # per attempt gives each attempt clean keys (8 of 8).
+    return dist.PrefixStore(f"ddp_amp/attempt_{env.restart_count}", store)
+
+
+def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: BackendChoice = "auto",
+                     timeout_s: float = 600.0) -> DistContext:
+    """Choose the device and, for a world above one, join the process group (collective)."""
+    torch_device = resolve_device(device, env, backend)
+    if torch_device.type == "cuda":
+        torch.cuda.set_device(torch_device)
+    if not env.is_distributed:
+        return DistContext(env, torch_device, None)
+    chosen = resolve_backend(backend, torch_device)
+    if dist.is_initialized():  # idempotent: a user's script may have joined already
+        return DistContext(env, torch_device, dist.get_backend())
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(chosen, store=_open_store(env, timeout), rank=env.rank,
+                            world_size=env.world_size, timeout=timeout)
+    log.debug("rank %d joined %s group of %d", env.rank, chosen, env.world_size)
+    return DistContext(env, torch_device, chosen)
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group. Call only after every DDP model has been freed.
+
+    Destroying a gloo group while a DDP reducer is alive can abort the process
+    (`terminate called without an active exception`, FACTS.md); collecting first makes
+    sure the reducer and its hooks are gone before the group's threads are joined.
+    """
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def distributed(env: DistEnv, device: DeviceChoice = "auto", backend: BackendChoice = "auto",
+                timeout_s: float = 600.0) -> Iterator[DistContext]:
+    """Join the group for the duration of a block and always leave it (collective)."""
+    ctx = init_distributed(env, device, backend, timeout_s)
+    try:
+        yield ctx
+    finally:
+        shutdown_distributed()
+
+
+def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce over the default group; a no-op for a world of one (collective)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Send rank `src`'s picklable object to every rank (collective)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def all_gather_objects(obj: object) -> list[object]:
+    """Every rank's picklable object, in rank order (collective)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered

@@ -1,0 +1,20 @@
+"""The one error type users see for bad input: value, expectation and hint on one line."""
+
+from __future__ import annotations
+
+
+class UsageError(Exception):
+    """Bad input from the user: a flag, an environment variable, a task, a checkpoint.
+
+    The CLI prints it as one line and exits with code 2; library callers can catch it.
+    """
+
+    def __init__(self, what: str, value: object, expected: str, hint: str = "") -> None:
+        self.what = what
+        self.value = value
+        self.expected = expected
+        self.hint = hint
+        message = f"{what}={value!r}: expected {expected}"
+        if hint:
+            message += f" (hint: {hint})"
+        super().__init__(message)

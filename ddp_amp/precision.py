@@ -1,0 +1,104 @@
+"""Which precision a run uses, and why: `--precision auto|fp32|bf16|fp16` resolved per device.
+
+A `Precision` owns the autocast settings and builds the matching scaler, so the loop never
+branches on dtype: bf16 and fp32 get a disabled scaler whose calls pass straight through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ddp_amp.errors import UsageError
+from ddp_amp.scaler import AgreedGradScaler
+
+PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16"]
+PRECISION_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A resolved precision: the name, the device type it runs on and why it was chosen."""
+
+    name: Literal["fp32", "bf16", "fp16"]
+    device_type: str
+    reason: str = ""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self.name]
+
+    @property
+    def autocast_enabled(self) -> bool:
+        return self.name != "fp32"
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        # bf16 has fp32's exponent range, so its gradients do not underflow: no scaling.
+        return self.name == "fp16"
+
+    @contextmanager
+    def autocast(self) -> Iterator[None]:
+        """Autocast for this thread only: use it for eval or a loss, not for a model's forward."""
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.autocast_enabled):
+            yield
+
+    def make_scaler(self, **scaler_options: float | int) -> AgreedGradScaler:
+        """The run's one scaler: rank-agreeing under fp16, a pass-through otherwise."""
+        return AgreedGradScaler(self.device_type, enabled=self.uses_loss_scaling, **scaler_options)
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU has bf16 arithmetic units (AVX512-BF16 or AMX)."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def _autocast_honours(device_type: str, dtype: torch.dtype) -> bool:
+    """Run one tiny matmul under autocast and see whether it came out in `dtype`."""
+    try:
+        a = torch.ones(2, 2, device=device_type)
+        with torch.autocast(device_type, dtype=dtype):
+            return torch.mm(a, a).dtype == dtype
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _resolve_auto(device: torch.device) -> Precision:
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return Precision("bf16", "cuda", "auto: this GPU has bf16 units")
+        return Precision("fp16", "cuda", "auto: this GPU lacks bf16, fp16 with loss scaling")
+    if device.type == "cpu" and cpu_has_native_bf16():
+        return Precision("bf16", "cpu", "auto: this CPU has native bf16 units (AVX512-BF16/AMX)")
+    return Precision("fp32", device.type,
+                     "auto: fp32, because this CPU has no native bf16/fp16 units and low "
+                     "precision would run many times slower; ask for --precision bf16/fp16 to force it")
+
+
+def resolve_precision(choice: str, device: torch.device) -> Precision:
+    """Turn a `--precision` choice into a `Precision` for `device`, or raise with a hint."""
+    if choice not in PRECISION_CHOICES:
+        raise UsageError("--precision", choice, "one of " + ", ".join(PRECISION_CHOICES),
+                         "fp16 and bf16 are the mixed-precision modes; auto picks per device")
+    if choice == "auto":
+        return _resolve_auto(device)
+    if choice == "fp32":
+        return Precision("fp32", device.type, "requested")
+    dtype = _DTYPES[choice]
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(
+            including_emulation=False):
+        raise UsageError("--precision", choice, "a GPU with bf16 support (Ampere or newer)",
+                         "use --precision fp16 on this GPU")
+    if not _autocast_honours(device.type, dtype):
+        raise UsageError("--precision", choice, f"a device whose autocast supports {choice}",
+                         f"{device.type} cannot run {choice} autocast; use --precision fp32 or auto")
+    reason = "requested"
+    if device.type == "cpu" and not cpu_has_native_bf16():
+        reason = "requested; this CPU has no native low-precision units, expect it to be slow"
+    return Precision(choice, device.type, reason)  # type: ignore[arg-type]

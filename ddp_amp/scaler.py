@@ -1,0 +1,85 @@
+"""A GradScaler whose skip decision is the same on every rank.
+
+Plain `torch.amp.GradScaler` decides per process. Where a rank's gradients were not all
+reduced by DDP (parameters outside DDP, gradients changed after backward, unused
+parameters), one rank can find an inf that another does not: it skips the step and halves
+its scale while the other steps, and the replicas drift apart for good (FACTS.md).
+
+Here the local found-inf flags are all-reduced with MAX right after they are computed, in
+both of GradScaler's paths:
+- `unscale_` (plain and foreach optimizers, and any explicit unscale before clipping);
+- `_check_inf_per_device` (fused optimizers, where `step` hands the flag to the optimizer
+  as a device tensor). The agreed flag stays on the device: no `.item()` on this path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class AgreedGradScaler(torch.amp.GradScaler):
+    """Drop-in `torch.amp.GradScaler` whose inf/NaN decision is agreed across ranks.
+
+    Collective: `unscale_` and `step` run an all-reduce when a process group with more
+    than one rank exists, so every rank must call them for the same optimizers in the
+    same order (as DDP training does anyway).
+    """
+
+    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True,
+                 process_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
+                         backoff_factor=backoff_factor, growth_interval=growth_interval,
+                         enabled=enabled)
+        self.process_group = process_group
+        # Device tensors, read only when someone asks (logging steps): reading them is a
+        # device-to-host sync on CUDA.
+        self._last_skipped: torch.Tensor | None = None
+        self._skipped_total: torch.Tensor | None = None
+
+    def _has_peers(self) -> bool:
+        return dist.is_initialized() and dist.get_world_size(self.process_group) > 1
+
+    def _agree(self, found_inf_per_device: dict[torch.device, torch.Tensor]) -> None:
+        """MAX-reduce each local found-inf flag in place, so any rank's inf is everyone's."""
+        if not self._has_peers():
+            return
+        for flag in found_inf_per_device.values():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        if self._enabled:
+            self._agree(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        found_inf_per_device = super()._check_inf_per_device(optimizer)
+        self._agree(found_inf_per_device)
+        return found_inf_per_device
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        if self._enabled and self._scale is not None:
+            flags = [flag.to(self._scale.device, non_blocking=True)
+                     for state in self._per_optimizer_states.values()
+                     for flag in state["found_inf_per_device"].values()]
+            if flags:
+                skipped = (torch.stack(flags).sum() > 0).to(torch.int64)
+                self._last_skipped = skipped
+                self._skipped_total = skipped if self._skipped_total is None else self._skipped_total + skipped
+        super().update(new_scale)
+
+    def last_step_skipped(self) -> torch.Tensor:
+        """0-d int tensor on the scaler's device: 1 if the last `update()` followed a skip."""
+        if self._last_skipped is None:
+            return torch.zeros((), dtype=torch.int64)
+        return self._last_skipped
+
+    def skipped_steps(self) -> torch.Tensor:
+        """0-d int tensor: steps skipped since this scaler was made (read at logging time)."""
+        if self._skipped_total is None:
+            return torch.zeros((), dtype=torch.int64)
+        return self._skipped_total

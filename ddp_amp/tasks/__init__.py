@@ -1,0 +1,86 @@
+"""The task contract shared by built-in tasks and user plugins, and the loader.
+
+A task is made by a function that takes the run's `TrainConfig` and returns a `Task`.
+`--task NAME` picks a built-in one; `--task package.module:function` a user's own.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ddp_amp.errors import UsageError
+
+if TYPE_CHECKING:
+    from ddp_amp.config import TrainConfig
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+# metric(output, target) -> {name: (sum over the batch, number of items)}; sums and counts
+# are added up over batches and ranks before the division, so the result is exact.
+MetricFn = Callable[[Any, Any], Mapping[str, tuple[torch.Tensor, int]]]
+
+BUILTIN_TASKS: dict[str, str] = {
+    "mlp": "ddp_amp.tasks.mlp:make_task",
+}
+
+
+@dataclass
+class Task:
+    """What a task hands the trainer. Datasets yield `(input, target)` items."""
+
+    model: nn.Module
+    train_data: Dataset
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    eval_data: Dataset | None = None
+    metric: MetricFn | None = None
+    make_optimizer: OptimizerFactory | None = None  # None: AdamW
+    make_scheduler: SchedulerFactory | None = None  # stepped once per optimizer step taken
+    default_lr: float = 1e-3
+    name: str = ""
+
+
+def _check_task(spec: str, task: object) -> Task:
+    if not isinstance(task, Task):
+        raise UsageError("--task", spec, f"a function returning ddp_amp.Task, got {type(task).__name__}",
+                         "return ddp_amp.Task(model=..., train_data=..., loss_fn=...)")
+    if not isinstance(task.model, nn.Module):
+        raise UsageError("--task", spec, f"Task.model to be a torch.nn.Module, got {type(task.model).__name__}", "")
+    for name in ("train_data", "eval_data"):
+        data = getattr(task, name)
+        if data is not None and not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+            raise UsageError("--task", spec, f"Task.{name} to be a map-style Dataset "
+                             f"(__getitem__ and __len__), got {type(data).__name__}", "")
+    if not callable(task.loss_fn):
+        raise UsageError("--task", spec, "Task.loss_fn to be callable(output, target) -> Tensor", "")
+    if len(task.train_data) == 0:  # type: ignore[arg-type]
+        raise UsageError("--task", spec, "a non-empty Task.train_data", "")
+    return task
+
+
+def load_task(spec: str, config: TrainConfig) -> Task:
+    """Build the task named by `spec` (a built-in name or 'module:function')."""
+    target = BUILTIN_TASKS.get(spec, spec)
+    module_name, sep, function_name = target.partition(":")
+    if not sep or not module_name or not function_name:
+        raise UsageError("--task", spec, "a built-in task (" + ", ".join(sorted(BUILTIN_TASKS))
+                         + ") or 'package.module:function'", "e.g. --task examples.plugin_task:make_task")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise UsageError("--task", spec, f"an importable module {module_name!r} ({error})",
+                         "check the name and that its folder is on PYTHONPATH") from error
+    factory = getattr(module, function_name, None)
+    if not callable(factory):
+        raise UsageError("--task", spec, f"a function {function_name!r} in module {module_name!r}",
+                         "check the name after the colon")
+    task = _check_task(spec, factory(config))
+    if not task.name:
+        task.name = spec.rpartition(":")[2] if spec not in BUILTIN_TASKS else spec
+    return task

@@ -1,0 +1,96 @@
+"""Train with DDP + AMP, whatever launched this process.
+
+    python -m ddp_amp.train                                   # 1 process: GPU, else CPU
+    torchrun --standalone --nproc_per_node=4 -m ddp_amp.train --precision bf16
+    srun --ntasks-per-node=4 python -m ddp_amp.train          # inside an allocation
+    python -m ddp_amp.train --help                            # every option
+
+Exit codes: 0 done, 2 bad input (one line on stderr; --debug adds the traceback), 1 any
+other failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ddp_amp.config import TrainConfig, parse_config
+from ddp_amp.dist import DistContext, init_distributed, shutdown_distributed
+from ddp_amp.env import DistEnv, detect_env
+from ddp_amp.errors import UsageError
+from ddp_amp.metrics import make_run_log
+from ddp_amp.precision import resolve_precision
+from ddp_amp.tasks import load_task
+from ddp_amp.trainer import Trainer, seed_everything
+
+
+def default_run_dir(config: TrainConfig, env: DistEnv) -> Path:
+    """runs/<task>-<id>: the launcher's job id keeps it stable across restarts and requeues."""
+    task = config.task.rpartition(":")[2] or config.task
+    run_id = env.run_id or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+    return Path("runs") / f"{task}-{run_id}"
+
+
+def train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
+    """Build everything for one rank, train, and return the summary (collective).
+
+    Everything built here (DDP model, optimizer, reducer hooks) is freed when this
+    function returns, before the caller destroys the process group (see FACTS.md).
+    """
+    precision = resolve_precision(config.precision, ctx.device)
+    run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config, ctx.env)
+    config.micro_batch_size(ctx.world_size)  # fail on a bad batch size before any work
+    run_log = make_run_log(ctx.rank, run_dir)
+    try:
+        seed_everything(config.seed)  # same model init on every rank
+        task = load_task(config.task, config)
+        seed_everything(config.seed + ctx.rank)  # per-rank dropout and augmentation
+        trainer = Trainer(config, task, ctx, precision, run_log)
+        run_log.write_json("config.json", {"config": config.to_dict(), "env": vars(ctx.env),
+                                           "device": str(ctx.device), "backend": ctx.backend,
+                                           "precision": precision.name})
+        run_log.info(f"task={task.name} world_size={ctx.world_size} device={ctx.device} "
+                     f"backend={ctx.backend or 'none'} precision={precision.name} ({precision.reason}) "
+                     f"run_dir={run_dir}")
+        summary = trainer.fit()
+        run_log.summary(summary)
+        return summary
+    finally:
+        run_log.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    rank = 0
+    try:
+        env = detect_env(os.environ)
+        rank = env.rank
+        config = parse_config(argv)
+        ctx = init_distributed(env, config.device, config.backend, config.dist_timeout)  # type: ignore[arg-type]
+        try:
+            train(config, ctx)
+        finally:
+            shutdown_distributed()
+        return 0
+    except UsageError as error:
+        if debug:
+            raise
+        if rank == 0:  # every rank parsed the same input; one line is enough
+            print(f"ddp_amp: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as error:  # noqa: BLE001 - a one-line report, the traceback on --debug
+        if debug:
+            raise
+        print(f"ddp_amp: rank {rank}: {type(error).__name__}: {error} (rerun with --debug for "
+              "the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""The training loop: the AMP recipe done right under DDP.
+
+One optimizer step is `grad_accum` micro-steps. Every micro-step but the last runs forward
+*and* backward inside `no_sync()`, so DDP reduces gradients once per step; each micro-loss
+is divided by `grad_accum` so the accumulated gradient is the mean over the global batch.
+Then, in this order and for these reasons:
+1. `unscale_` before clipping: clip thresholds are in real gradient units, not scaled ones;
+   the agreed scaler also settles the skip decision across ranks here.
+2. `scaler.step` skips the update on every rank if any rank saw inf/NaN.
+3. `scaler.update` backs the scale off after a skip and grows it after a clean run.
+4. `zero_grad(set_to_none=True)`: no memset, and accumulation starts from nothing.
+5. The scheduler advances only when the step was taken, so a skip does not eat the LR plan.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ddp_amp.autocast import AutocastModule
+from ddp_amp.config import TrainConfig
+from ddp_amp.data import BatchStream, to_device
+from ddp_amp.dist import DistContext, all_reduce_
+from ddp_amp.metrics import RunLog, peak_memory_mb
+from ddp_amp.precision import Precision
+from ddp_amp.tasks import Task
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and every GPU) RNGs."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def make_optimizer(task: Task, choice: str, params: list[nn.Parameter], lr: float,
+                   device: torch.device) -> torch.optim.Optimizer:
+    """The task's own optimizer for `auto` when it has one, else AdamW or SGD, fused where possible."""
+    if choice == "auto" and task.make_optimizer is not None:
+        return task.make_optimizer(params, lr)
+    kind = torch.optim.SGD if choice == "sgd" else torch.optim.AdamW
+    try:
+        # Fused kernels take the scaler's inv-scale and found-inf as device tensors, so
+        # the step needs no `.item()` (FACTS.md: fused AdamW ~9x foreach on CPU).
+        return kind(params, lr=lr, fused=True)
+    except (RuntimeError, ValueError):
+        return kind(params, lr=lr, foreach=device.type == "cuda")
+
+
+class Trainer:
+    """Builds DDP(AutocastModule(model)), optimizer, scaler and data for one rank, and trains."""
+
+    def __init__(self, config: TrainConfig, task: Task, ctx: DistContext, precision: Precision,
+                 run_log: RunLog) -> None:
+        self.config, self.task, self.ctx, self.precision, self.run_log = config, task, ctx, precision, run_log
+        self.device = ctx.device
+        self.model = self._wrap(task.model.to(self.device))
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(task, config.optimizer, self.params,
+                                        config.lr or task.default_lr, self.device)
+        self.scheduler = task.make_scheduler(self.optimizer) if task.make_scheduler else None
+        self.scaler = precision.make_scaler()
+        self.stream = BatchStream(task.train_data, config.micro_batch_size(ctx.world_size), ctx.rank,
+                                  ctx.world_size, config.seed, self.device, config.num_workers)
+        self.step = 0  # optimizer steps attempted; skipped fp16 steps count
+        self.samples_seen = 0
+        self.last_loss = torch.zeros((), device=self.device)
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        wrapped = AutocastModule(model, self.precision.device_type, self.precision.dtype,
+                                 enabled=self.precision.autocast_enabled)
+        if not self.ctx.has_group:
+            return wrapped
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # Gradients as views into DDP's buckets save one copy and the memory of a second
+        # set of gradients; it is valid because we never keep .grad across steps.
+        return DDP(wrapped, device_ids=device_ids, gradient_as_bucket_view=True)
+
+    @property
+    def autocast_model(self) -> AutocastModule:
+        return self.model.module if isinstance(self.model, DDP) else self.model
+
+    def train_step(self) -> torch.Tensor:
+        """One optimizer step over `grad_accum` micro-batches; returns the loss (device tensor)."""
+        accum = self.config.grad_accum
+        step_loss = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            inputs, target = next(self.stream)
+            last = micro == accum - 1
+            sync = nullcontext() if last or not isinstance(self.model, DDP) else self.model.no_sync()
+            with sync:
+                output = self.model(inputs)
+                with self.precision.autocast():  # the loss under autocast, as in the recipe
+                    loss = self.task.loss_fn(output, target) / accum
+                self.scaler.scale(loss).backward()
+            step_loss += loss.detach().float()
+        if self.config.clip_grad_norm > 0:
+            self.scaler.unscale_(self.optimizer)
+            nn.utils.clip_grad_norm_(self.params, self.config.clip_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        # Only fp16 can skip; reading the agreed flag is a host sync, so bf16/fp32 never do.
+        if self.scheduler is not None and not (self.scaler.is_enabled() and self.scaler.last_step_skipped().item()):
+            self.scheduler.step()
+        self.step += 1
+        self.samples_seen += self.config.batch_size
+        return step_loss
+
+    def _mean_across_ranks(self, value: torch.Tensor) -> float:
+        """Average a scalar over ranks (collective; called on logging steps only)."""
+        total = all_reduce_(value.detach().clone().float())
+        return total.item() / self.ctx.world_size
+
+    def log_record(self, loss: torch.Tensor, samples_per_s: float) -> dict[str, Any]:
+        """Numbers for one logged step (collective: averages the loss over ranks)."""
+        return {
+            "step": self.step,
+            "epoch": self.stream.epoch,
+            "loss": self._mean_across_ranks(loss),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "loss_scale": self.scaler.get_scale() if self.scaler.is_enabled() else 1.0,
+            "skipped_total": int(self.scaler.skipped_steps().item()),
+            "samples_per_s": samples_per_s,
+            "peak_mem_mb": peak_memory_mb(self.device),
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """The task's metric on its eval data: under autocast, no scaler, all ranks (collective)."""
+        if self.task.eval_data is None or self.task.metric is None:
+            return {}
+        sampler = DistributedSampler(self.task.eval_data, num_replicas=self.ctx.world_size,
+                                     rank=self.ctx.rank, shuffle=False, drop_last=False)
+        micro = self.config.micro_batch_size(self.ctx.world_size)
+        sums: dict[str, torch.Tensor] = {}
+        self.model.eval()
+        try:
+            # Evaluate through the autocast wrapper, not DDP: no gradient buckets, no
+            # buffer broadcast, and the same dtype the training forward used.
+            for batch in DataLoader(self.task.eval_data, batch_size=micro, sampler=sampler):
+                inputs, target = to_device(batch, self.device)
+                for name, (total, count) in self.task.metric(self.autocast_model(inputs), target).items():
+                    pair = torch.stack([total.detach().double().to(self.device),
+                                        torch.tensor(float(count), dtype=torch.float64, device=self.device)])
+                    sums[name] = sums[name] + pair if name in sums else pair
+        finally:
+            self.model.train()
+        results = {}
+        for name in sorted(sums):  # same order on all ranks: the all-reduces pair up
+            total, count = all_reduce_(sums[name]).tolist()
+            results[f"eval_{name}"] = total / max(count, 1.0)
+        return results
+
+    def fit(self) -> dict[str, Any]:
+        """Train for `max_steps` steps, logging every `log_every`; returns the summary record."""
+        self.model.train()
+        started = window_start = time.perf_counter()
+        window_samples = self.samples_seen
+        loss = self.last_loss
+        while self.step < self.config.max_steps:
+            loss = self.train_step()
+            if self.step % self.config.log_every == 0 or self.step == self.config.max_steps:
+                now = time.perf_counter()
+                rate = (self.samples_seen - window_samples) / max(now - window_start, 1e-9)
+                self.run_log.metrics(self.log_record(loss, rate))
+                window_start, window_samples = now, self.samples_seen
+        elapsed = time.perf_counter() - started
+        summary = self.log_record(loss, self.samples_seen / max(elapsed, 1e-9))
+        skipped = summary["skipped_total"]
+        summary.update({
+            "steps": self.step,
+            "steps_taken": self.step - skipped,
+            "world_size": self.ctx.world_size,
+            "precision": self.precision.name,
+            "device": str(self.device),
+            "wall_s": elapsed,
+            **self.evaluate(),
+        })
+        return summary
