@@ -26,8 +26,9 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any
 class TrainConfig:
     """Everything `python -m ddp_amp.train` can be told. Field help is the `--help` text."""
 
-    task: str = _opt("mlp", "built-in task name (mlp) or a plugin 'package.module:function' "
-                     "that takes this config and returns a ddp_amp.Task")
+    task: str = _opt("lm", "built-in task: lm (transformer LM on Python's own docs), digits "
+                     "(scikit-learn digits, needs ddp_amp[sklearn]), mlp (synthetic benchmark); "
+                     "or a plugin 'package.module:function' that takes this config and returns a ddp_amp.Task")
     task_opt: tuple[str, ...] = _opt((), "task option KEY=VALUE, repeatable; read by the task "
                                      "(e.g. --task-opt hidden=256)")
     run_dir: str = _opt("", "directory for config, metrics, checkpoints and the summary; "
@@ -39,7 +40,8 @@ class TrainConfig:
     lr: float = _opt(0.0, "learning rate; 0 means the task's own default")
     optimizer: str = _opt("auto", "optimizer: auto (the task's own, else AdamW), adamw, sgd",
                           ("auto", "adamw", "sgd"))
-    clip_grad_norm: float = _opt(0.0, "clip the global grad norm to this after unscaling; 0 = off")
+    clip_grad_norm: float = _opt(0.0, "clip the global grad norm to this after unscaling; 0 = the "
+                                 "task's default (lm: 0.5, others: off)")
     seed: int = _opt(0, "seed for model init (same on all ranks) and data order; rank r "
                      "seeds its own RNGs with seed + r after the model is built")
     precision: str = _opt("auto", "auto (bf16 on GPUs/CPUs with bf16 units, else fp16 on GPUs, "
@@ -53,6 +55,10 @@ class TrainConfig:
     num_workers: int = _opt(0, "DataLoader worker processes per rank")
     log_every: int = _opt(20, "print and record metrics every N optimizer steps")
     debug: bool = _opt(False, "show full tracebacks on errors")
+    # --- evaluation (issue 7: built-in tasks and parity) ---
+    eval_every: int = _opt(50, "run the task's metric on its held-out data before the first step "
+                           "and every N optimizer steps (all ranks, under autocast); 0 = only "
+                           "once, at the end, for the summary")
 
     def __post_init__(self) -> None:
         positive = {"max_steps": self.max_steps, "batch_size": self.batch_size,
@@ -65,6 +71,8 @@ class TrainConfig:
                 raise UsageError(_flag(name), getattr(self, name), "a number >= 0", "")
         if self.dist_timeout <= 0:
             raise UsageError("--dist-timeout", self.dist_timeout, "seconds > 0", "")
+        if self.eval_every < 0:
+            raise UsageError("--eval-every", self.eval_every, "an integer >= 0", "0 evaluates only at the end")
         if self.num_workers < 0:
             raise UsageError("--num-workers", self.num_workers, "an integer >= 0", "")
         for item in self.task_opt:

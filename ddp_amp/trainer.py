@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from ddp_amp.autocast import AutocastModule
 from ddp_amp.config import TrainConfig
@@ -102,9 +102,10 @@ class Trainer:
                     loss = self.task.loss_fn(output, target) / accum
                 self.scaler.scale(loss).backward()
             step_loss += loss.detach().float()
-        if self.config.clip_grad_norm > 0:
+        clip = self.config.clip_grad_norm or self.task.default_clip_grad_norm
+        if clip > 0:
             self.scaler.unscale_(self.optimizer)
-            nn.utils.clip_grad_norm_(self.params, self.config.clip_grad_norm)
+            nn.utils.clip_grad_norm_(self.params, clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -138,8 +139,9 @@ class Trainer:
         """The task's metric on its eval data: under autocast, no scaler, all ranks (collective)."""
         if self.task.eval_data is None or self.task.metric is None:
             return {}
-        sampler = DistributedSampler(self.task.eval_data, num_replicas=self.ctx.world_size,
-                                     rank=self.ctx.rank, shuffle=False, drop_last=False)
+        # Every item exactly once over all ranks (a strided shard, no padding), so the
+        # metric does not depend on the world size.
+        sampler = range(self.ctx.rank, len(self.task.eval_data), self.ctx.world_size)  # type: ignore[arg-type]
         micro = self.config.micro_batch_size(self.ctx.world_size)
         sums: dict[str, torch.Tensor] = {}
         self.model.eval()
@@ -154,11 +156,20 @@ class Trainer:
                     sums[name] = sums[name] + pair if name in sums else pair
         finally:
             self.model.train()
-        results = {}
+        means = {}
         for name in sorted(sums):  # same order on all ranks: the all-reduces pair up
             total, count = all_reduce_(sums[name]).tolist()
-            results[f"eval_{name}"] = total / max(count, 1.0)
-        return results
+            means[name] = total / max(count, 1.0)
+        if self.task.finalize_metrics is not None:
+            means = self.task.finalize_metrics(means)
+        return {f"eval_{name}": value for name, value in means.items()}
+
+    def eval_record(self) -> dict[str, Any]:
+        """`evaluate()` at the current step, logged to metrics.jsonl (collective)."""
+        record = {"step": self.step, **self.evaluate()}
+        if len(record) > 1:  # a task without eval data or metric logs nothing
+            self.run_log.metrics(record)
+        return record
 
     def fit(self) -> dict[str, Any]:
         """Train for `max_steps` steps, logging every `log_every`; returns the summary record."""
@@ -166,8 +177,15 @@ class Trainer:
         started = window_start = time.perf_counter()
         window_samples = self.samples_seen
         loss = self.last_loss
+        every = self.config.eval_every
+        # Evaluate before the first step too, so the log shows where learning started.
+        last_eval = self.eval_record() if every and self.step % every == 0 else {}
         while self.step < self.config.max_steps:
             loss = self.train_step()
+            if every and self.step % every == 0:
+                eval_started = time.perf_counter()
+                last_eval = self.eval_record()
+                window_start += time.perf_counter() - eval_started  # keep samples_per_s about training
             if self.step % self.config.log_every == 0 or self.step == self.config.max_steps:
                 now = time.perf_counter()
                 rate = (self.samples_seen - window_samples) / max(now - window_start, 1e-9)
@@ -176,6 +194,8 @@ class Trainer:
         elapsed = time.perf_counter() - started
         summary = self.log_record(loss, self.samples_seen / max(elapsed, 1e-9))
         skipped = summary["skipped_total"]
+        if last_eval.get("step") != self.step:  # reuse the cadence's metric at this very step
+            last_eval = {"step": self.step, **self.evaluate()}
         summary.update({
             "steps": self.step,
             "steps_taken": self.step - skipped,
@@ -183,6 +203,6 @@ class Trainer:
             "precision": self.precision.name,
             "device": str(self.device),
             "wall_s": elapsed,
-            **self.evaluate(),
+            **{key: value for key, value in last_eval.items() if key != "step"},
         })
         return summary

@@ -25,9 +25,14 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LR
 # metric(output, target) -> {name: (sum over the batch, number of items)}; sums and counts
 # are added up over batches and ranks before the division, so the result is exact.
 MetricFn = Callable[[Any, Any], Mapping[str, tuple[torch.Tensor, int]]]
+# finalize(means) -> metrics to report: applied to the reduced means, for metrics that are
+# not means themselves (perplexity is exp of the mean NLL).
+FinalizeFn = Callable[[dict[str, float]], dict[str, float]]
 
 BUILTIN_TASKS: dict[str, str] = {
     "mlp": "ddp_amp.tasks.mlp:make_task",
+    "lm": "ddp_amp.tasks.lm:make_task",
+    "digits": "ddp_amp.tasks.digits:make_task",
 }
 
 
@@ -44,6 +49,8 @@ class Task:
     make_scheduler: SchedulerFactory | None = None  # stepped once per optimizer step taken
     default_lr: float = 1e-3
     name: str = ""
+    finalize_metrics: FinalizeFn | None = None  # None: report the means as they are
+    default_clip_grad_norm: float = 0.0  # used when --clip-grad-norm is 0; 0 = no clipping
 
 
 def _check_task(spec: str, task: object) -> Task:
@@ -61,6 +68,17 @@ def _check_task(spec: str, task: object) -> Task:
         raise UsageError("--task", spec, "Task.loss_fn to be callable(output, target) -> Tensor", "")
     if len(task.train_data) == 0:  # type: ignore[arg-type]
         raise UsageError("--task", spec, "a non-empty Task.train_data", "")
+    for name in ("metric", "make_optimizer", "make_scheduler", "finalize_metrics"):
+        if getattr(task, name) is not None and not callable(getattr(task, name)):
+            raise UsageError("--task", spec, f"Task.{name} to be callable or None, "
+                             f"got {type(getattr(task, name)).__name__}", "")
+    if (task.eval_data is None) != (task.metric is None):
+        raise UsageError("--task", spec, "Task.eval_data and Task.metric given together (or neither)",
+                         "a metric needs held-out data to run on")
+    for name in ("default_lr", "default_clip_grad_norm"):
+        value = getattr(task, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise UsageError("--task", spec, f"Task.{name} to be a number >= 0, got {value!r}", "")
     return task
 
 
