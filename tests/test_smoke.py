@@ -1,4 +1,4 @@
-"""The CLI trains on one process with no options but a short run."""
+"""The CLI trains on one process: the mlp task, a short run (the default task: test_trainer_eval)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from tests.multiproc import run_train
 
 
 def test_single_process_trains_and_writes_summary(tmp_path: Path) -> None:
-    result = run_train(["--max-steps", "40", "--log-every", "10", "--run-dir", str(tmp_path)])
+    result = run_train(["--task", "mlp", "--max-steps", "40", "--log-every", "10", "--run-dir", str(tmp_path)])
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

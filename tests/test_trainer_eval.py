@@ -1,0 +1,66 @@
+"""`--eval-every`: the held-out metric before training and every N steps, reduced over ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddp_amp.config import TrainConfig, parse_config
+from ddp_amp.dist import DistContext, init_distributed
+from ddp_amp.env import detect_env
+from ddp_amp.errors import UsageError
+from ddp_amp.metrics import QuietRunLog
+from ddp_amp.precision import resolve_precision
+from ddp_amp.tasks import load_task
+from ddp_amp.trainer import Trainer, seed_everything
+from tests.multiproc import run_ranks, run_train
+
+# The example plugin: 2048 points, 409 held out (odd, so 2 ranks cannot split it evenly).
+RINGS = ["--task", "examples.plugin_task:make_task", "--batch-size", "32"]
+
+
+def read_records(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if "summary" not in r], json.loads((run_dir / "summary.json").read_text())
+
+
+def untrained_metrics(ctx: DistContext, argv: list[str]) -> dict[str, float]:
+    """evaluate() of a freshly built task on this rank's world (collective)."""
+    config = parse_config(argv)
+    seed_everything(config.seed)
+    task = load_task(config.task, config)
+    trainer = Trainer(config, task, ctx, resolve_precision("fp32", ctx.device), QuietRunLog(ctx.rank))
+    return trainer.evaluate()
+
+
+@pytest.mark.parametrize("argv", [RINGS, ["--task", "lm", "--batch-size", "32", "--task-opt", "emsize=16",
+                                          "--task-opt", "nhid=16", "--task-opt", "vocab=100",
+                                          "--task-opt", "tokens=8000"]])
+def test_two_ranks_score_every_held_out_item_once(argv: list[str]) -> None:
+    single = untrained_metrics(init_distributed(detect_env({}), device="cpu"), argv)
+    both = run_ranks(untrained_metrics, 2, argv)
+    assert both[0] == both[1]  # every rank reports the reduced result
+    assert single.keys() == both[0].keys() and single
+    for name, value in single.items():  # a padded or dropped item would move these
+        assert both[0][name] == pytest.approx(value, rel=1e-9), name
+
+
+def test_default_run_trains_lm_and_its_held_out_perplexity_falls(tmp_path: Path) -> None:
+    result = run_train(["--max-steps", "20", "--eval-every", "10", "--log-every", "10",
+                        "--run-dir", str(tmp_path)])
+    assert result.returncode == 0, result.stderr
+    records, summary = read_records(tmp_path)
+    evals = [r for r in records if "eval_ppl" in r]
+    assert [r["step"] for r in evals] == [0, 10, 20]
+    assert summary["eval_ppl"] == evals[-1]["eval_ppl"]  # the summary reuses the step-20 metric
+    assert evals[-1]["eval_ppl"] < evals[0]["eval_ppl"] / 2, evals
+    assert "task=lm" in result.stdout
+
+
+def test_eval_every_is_validated() -> None:
+    with pytest.raises(UsageError, match="--eval-every"):
+        TrainConfig(eval_every=-1)
+    assert parse_config(["--eval-every", "0"]).eval_every == 0
