@@ -148,7 +148,11 @@ class Trainer:
         try:
             # Evaluate through the autocast wrapper, not DDP: no gradient buckets, no
             # buffer broadcast, and the same dtype the training forward used.
-            for batch in DataLoader(self.task.eval_data, batch_size=micro, sampler=sampler):
+            # A generator of its own: a DataLoader draws its base seed from the global RNG
+            # otherwise, and evaluating would change the dropout of the steps after it.
+            loader = DataLoader(self.task.eval_data, batch_size=micro, sampler=sampler,
+                                generator=torch.Generator())
+            for batch in loader:
                 inputs, target = to_device(batch, self.device)
                 for name, (total, count) in self.task.metric(self.autocast_model(inputs), target).items():
                     pair = torch.stack([total.detach().double().to(self.device),

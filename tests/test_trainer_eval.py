@@ -64,3 +64,19 @@ def test_eval_every_is_validated() -> None:
     with pytest.raises(UsageError, match="--eval-every"):
         TrainConfig(eval_every=-1)
     assert parse_config(["--eval-every", "0"]).eval_every == 0
+
+
+def test_evaluating_does_not_change_the_training_trajectory() -> None:
+    """Eval draws no numbers from the global RNG, so dropout after it is the same as without it."""
+    argv = ["--task", "lm", "--batch-size", "8", "--max-steps", "6", "--task-opt", "emsize=16",
+            "--task-opt", "nhid=16", "--task-opt", "vocab=100", "--task-opt", "tokens=4000",
+            "--task-opt", "dropout=0.3"]
+    losses = []
+    for every in ("0", "2"):
+        config = parse_config([*argv, "--eval-every", every])
+        ctx = init_distributed(detect_env({}), device="cpu")
+        seed_everything(config.seed)
+        task = load_task(config.task, config)
+        trainer = Trainer(config, task, ctx, resolve_precision("fp32", ctx.device), QuietRunLog(1))
+        losses.append(trainer.fit()["loss"])
+    assert losses[0] == losses[1]

@@ -58,27 +58,31 @@ def _check_task(spec: str, task: object) -> Task:
         raise UsageError("--task", spec, f"a function returning ddp_amp.Task, got {type(task).__name__}",
                          "return ddp_amp.Task(model=..., train_data=..., loss_fn=...)")
     if not isinstance(task.model, nn.Module):
-        raise UsageError("--task", spec, f"Task.model to be a torch.nn.Module, got {type(task.model).__name__}", "")
+        raise UsageError("--task", spec, f"Task.model to be a torch.nn.Module, got {type(task.model).__name__}",
+                         "build the model in the task function and pass the module itself")
     for name in ("train_data", "eval_data"):
         data = getattr(task, name)
         if data is not None and not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
             raise UsageError("--task", spec, f"Task.{name} to be a map-style Dataset "
-                             f"(__getitem__ and __len__), got {type(data).__name__}", "")
+                             f"(__getitem__ and __len__), got {type(data).__name__}",
+                             "wrap tensors in torch.utils.data.TensorDataset")
     if not callable(task.loss_fn):
-        raise UsageError("--task", spec, "Task.loss_fn to be callable(output, target) -> Tensor", "")
+        raise UsageError("--task", spec, "Task.loss_fn to be callable(output, target) -> Tensor",
+                         "e.g. loss_fn=torch.nn.functional.cross_entropy")
     if len(task.train_data) == 0:  # type: ignore[arg-type]
-        raise UsageError("--task", spec, "a non-empty Task.train_data", "")
+        raise UsageError("--task", spec, "a non-empty Task.train_data", "check the dataset's path and size")
     for name in ("metric", "make_optimizer", "make_scheduler", "finalize_metrics"):
         if getattr(task, name) is not None and not callable(getattr(task, name)):
             raise UsageError("--task", spec, f"Task.{name} to be callable or None, "
-                             f"got {type(getattr(task, name)).__name__}", "")
+                             f"got {type(getattr(task, name)).__name__}", "pass a function, or leave it out")
     if (task.eval_data is None) != (task.metric is None):
         raise UsageError("--task", spec, "Task.eval_data and Task.metric given together (or neither)",
                          "a metric needs held-out data to run on")
     for name in ("default_lr", "default_clip_grad_norm"):
         value = getattr(task, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise UsageError("--task", spec, f"Task.{name} to be a number >= 0, got {value!r}", "")
+            raise UsageError("--task", spec, f"Task.{name} to be a number >= 0, got {value!r}",
+                             "e.g. default_lr=1e-3; 0 turns clipping off")
     return task
 
 
