@@ -45,7 +45,7 @@ def test_two_ranks_score_every_held_out_item_once(argv: list[str]) -> None:
     assert both[0] == both[1]  # every rank reports the reduced result
     assert single.keys() == both[0].keys() and single
     for name, value in single.items():  # a padded or dropped item would move these
-        assert both[0][name] == pytest.approx(value, rel=1e-9), name
+        assert both[0][name] == pytest.approx(value, rel=1e-6), name  # fp32 sums, other batch splits
 
 
 def test_default_run_trains_lm_and_its_held_out_perplexity_falls(tmp_path: Path) -> None:
