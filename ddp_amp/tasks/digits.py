@@ -43,17 +43,17 @@ def accuracy(output: torch.Tensor, target: torch.Tensor) -> dict[str, tuple[torc
 def read_options(options: dict[str, str]) -> dict[str, int]:
     unknown = set(options) - set(DEFAULTS)
     if unknown:
-        raise UsageError("--task-opt", sorted(unknown)[0], "one of " + ", ".join(DEFAULTS), "")
+        raise UsageError("--task-opt", sorted(unknown)[0], "one of " + ", ".join(DEFAULTS), "e.g. --task-opt hidden=64")
     values = dict(DEFAULTS)
     for key, raw in options.items():
         try:
             values[key] = int(raw)
         except ValueError:
-            raise UsageError(f"--task-opt {key}", raw, "an integer", "") from None
+            raise UsageError(f"--task-opt {key}", raw, "an integer", f"e.g. --task-opt {key}={DEFAULTS[key]}") from None
     if values["hidden"] < 1:
-        raise UsageError("--task-opt hidden", values["hidden"], "an integer >= 1", "")
+        raise UsageError("--task-opt hidden", values["hidden"], "an integer >= 1", "e.g. --task-opt hidden=128")
     if not 1 <= values["held_out"] <= 90:
-        raise UsageError("--task-opt held_out", values["held_out"], "a percentage from 1 to 90", "")
+        raise UsageError("--task-opt held_out", values["held_out"], "a percentage from 1 to 90", "e.g. --task-opt held_out=30")
     return values
 
 

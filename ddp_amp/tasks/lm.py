@@ -142,18 +142,21 @@ def perplexity(means: dict[str, float]) -> dict[str, float]:
 def read_options(options: dict[str, str]) -> dict[str, float]:
     unknown = set(options) - set(DEFAULTS)
     if unknown:
-        raise UsageError("--task-opt", sorted(unknown)[0], "one of " + ", ".join(DEFAULTS), "")
+        raise UsageError("--task-opt", sorted(unknown)[0], "one of " + ", ".join(DEFAULTS),
+                         "e.g. --task-opt emsize=64")
     values = dict(DEFAULTS)
     for key, raw in options.items():
         try:
             values[key] = float(raw) if key == "dropout" else int(raw)
         except ValueError:
-            raise UsageError(f"--task-opt {key}", raw, "a number", "") from None
+            raise UsageError(f"--task-opt {key}", raw, "a number", f"e.g. --task-opt {key}={DEFAULTS[key]:g}") from None
         low = 0 if key in ("vocab", "tokens", "dropout") else 1
         if values[key] < low or (key == "dropout" and values[key] >= 1):
-            raise UsageError(f"--task-opt {key}", raw, f"a number >= {low}" + (" and < 1" if key == "dropout" else ""), "")
+            raise UsageError(f"--task-opt {key}", raw, f"a number >= {low}" + (" and < 1" if key == "dropout" else ""),
+                             f"e.g. --task-opt {key}={DEFAULTS[key]:g}")
     if values["emsize"] % values["nhead"]:
-        raise UsageError("--task-opt nhead", int(values["nhead"]), f"a divisor of emsize={int(values['emsize'])}", "")
+        raise UsageError("--task-opt nhead", int(values["nhead"]), f"a divisor of emsize={int(values['emsize'])}",
+                         "attention splits emsize evenly over the heads")
     return values
 
 
@@ -170,7 +173,8 @@ def make_task(config: TrainConfig) -> Task:
     bptt = int(opts["bptt"])
     train_data, eval_data = ChunkDataset(ids[:split], bptt), ChunkDataset(ids[split:], bptt)
     if len(eval_data) == 0:
-        raise UsageError("--task-opt tokens", int(opts["tokens"]), f"enough words for a held-out chunk of bptt={bptt}", "")
+        raise UsageError("--task-opt tokens", int(opts["tokens"]), f"enough words for a held-out chunk of bptt={bptt}",
+                         "raise tokens (0 = the whole corpus) or lower bptt")
     model = TransformerLM(len(vocab), int(opts["emsize"]), int(opts["nhead"]), int(opts["nhid"]),
                           int(opts["nlayers"]), opts["dropout"])
     # The example decays the LR once per epoch; the trainer steps the scheduler once per
