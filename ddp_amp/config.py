@@ -53,6 +53,13 @@ class TrainConfig:
     num_workers: int = _opt(0, "DataLoader worker processes per rank")
     log_every: int = _opt(20, "print and record metrics every N optimizer steps")
     debug: bool = _opt(False, "show full tracebacks on errors")
+    # --- checkpoints (issue 3: ddp_amp/checkpoint/) ---
+    ckpt_every: int = _opt(0, "also save a checkpoint every N optimizer steps; 0 = only the "
+                           "final one at the end of training")
+    keep_last: int = _opt(3, "keep the newest K checkpoints; older ones are deleted only after "
+                          "a new one is committed; 0 keeps all")
+    resume: str = _opt("auto", "auto (newest complete checkpoint in <run-dir>/checkpoints, if "
+                       "any), none (start fresh), or PATH of a checkpoint directory")
 
     def __post_init__(self) -> None:
         positive = {"max_steps": self.max_steps, "batch_size": self.batch_size,
@@ -67,6 +74,9 @@ class TrainConfig:
             raise UsageError("--dist-timeout", self.dist_timeout, "seconds > 0", "")
         if self.num_workers < 0:
             raise UsageError("--num-workers", self.num_workers, "an integer >= 0", "")
+        for name in ("ckpt_every", "keep_last"):  # checkpoints (issue 3)
+            if getattr(self, name) < 0:
+                raise UsageError(_flag(name), getattr(self, name), "an integer >= 0", "")
         for item in self.task_opt:
             if "=" not in item:
                 raise UsageError("--task-opt", item, "KEY=VALUE", "e.g. --task-opt hidden=256")

@@ -83,3 +83,8 @@ class AgreedGradScaler(torch.amp.GradScaler):
         if self._skipped_total is None:
             return torch.zeros((), dtype=torch.int64)
         return self._skipped_total
+
+    def restore_skipped_steps(self, count: int) -> None:
+        """Set the skipped-step counter, as a resumed run continues the count it saved."""
+        device = self._scale.device if self._scale is not None else torch.device(self._device)
+        self._skipped_total = torch.tensor(count, dtype=torch.int64, device=device)

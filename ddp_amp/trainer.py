@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 import time
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddp_amp.autocast import AutocastModule
+from ddp_amp import checkpoint
+from ddp_amp.autocast import AutocastModule, unwrap_model
 from ddp_amp.config import TrainConfig
 from ddp_amp.data import BatchStream, to_device
 from ddp_amp.dist import DistContext, all_reduce_
@@ -59,7 +61,7 @@ class Trainer:
     """Builds DDP(AutocastModule(model)), optimizer, scaler and data for one rank, and trains."""
 
     def __init__(self, config: TrainConfig, task: Task, ctx: DistContext, precision: Precision,
-                 run_log: RunLog) -> None:
+                 run_log: RunLog, checkpoint_root: Path | None = None) -> None:
         self.config, self.task, self.ctx, self.precision, self.run_log = config, task, ctx, precision, run_log
         self.device = ctx.device
         self.model = self._wrap(task.model.to(self.device))
@@ -73,6 +75,10 @@ class Trainer:
         self.step = 0  # optimizer steps attempted; skipped fp16 steps count
         self.samples_seen = 0
         self.last_loss = torch.zeros((), device=self.device)
+        # Checkpoints (issue 3): None = checkpointing off (library use without a run dir).
+        self.checkpoint_root = checkpoint_root
+        self.checkpoint_error: checkpoint.CheckpointError | None = None
+        self._saved_step: int | None = None
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         wrapped = AutocastModule(model, self.precision.device_type, self.precision.dtype,
@@ -173,7 +179,10 @@ class Trainer:
                 rate = (self.samples_seen - window_samples) / max(now - window_start, 1e-9)
                 self.run_log.metrics(self.log_record(loss, rate))
                 window_start, window_samples = now, self.samples_seen
+            if self.config.ckpt_every and self.step % self.config.ckpt_every == 0:
+                self._checkpoint_or_raise()
         elapsed = time.perf_counter() - started
+        self._checkpoint_or_raise()  # the final one
         summary = self.log_record(loss, self.samples_seen / max(elapsed, 1e-9))
         skipped = summary["skipped_total"]
         summary.update({
@@ -186,3 +195,57 @@ class Trainer:
             **self.evaluate(),
         })
         return summary
+
+    # --- checkpoints (issue 3: ddp_amp/checkpoint/) ---
+
+    def _checkpoint_parts(self) -> checkpoint.TrainingParts:
+        return checkpoint.TrainingParts(unwrap_model(self.model), self.optimizer, self.scaler,
+                                        self.scheduler, self.stream, self.device)
+
+    def save_checkpoint(self) -> Path | None:
+        """Commit a checkpoint of the current step (collective: call on every rank).
+
+        Returns the checkpoint directory on every rank, or None on every rank if the write
+        failed (the reason is in `self.checkpoint_error`; older checkpoints are untouched)
+        or checkpointing is off. Saving the same step twice writes it once.
+        """
+        if self.checkpoint_root is None:
+            return None
+        if self._saved_step == self.step:
+            return self.checkpoint_root / checkpoint.step_dir_name(self.step)
+        started = time.perf_counter()
+        meta = checkpoint.describe_run(self.config.to_dict(), self.ctx.world_size,
+                                       self.stream.micro_batch_size, self.precision.name,
+                                       self.scaler.is_enabled(), self.step, self.stream.batches_per_epoch)
+        result = checkpoint.save_checkpoint(self.checkpoint_root, self.ctx.rank, self._checkpoint_parts(),
+                                            self.step, self.samples_seen, meta, self.config.keep_last)
+        self.checkpoint_error = result.error
+        if result.path is None:
+            self.run_log.info(f"checkpoint at step {self.step} failed: {result.error}")
+            return None
+        self._saved_step = self.step
+        self.run_log.info(f"saved checkpoint {result.path} ({time.perf_counter() - started:.2f} s)")
+        return result.path
+
+    def _checkpoint_or_raise(self) -> None:
+        if self.save_checkpoint() is None and self.checkpoint_error is not None:
+            raise self.checkpoint_error
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore model, optimizer, scaler, scheduler, counters, data position and this
+        rank's RNG from checkpoint directory `path` (collective)."""
+        self.step, self.samples_seen = checkpoint.load_checkpoint(
+            Path(path), self._checkpoint_parts(), self.ctx.rank, self.ctx.world_size,
+            self.precision.name, self.run_log.info)
+        self._saved_step = self.step
+        self.run_log.info(f"resumed from {path} at step {self.step}")
+
+    def resume(self, choice: str) -> Path | None:
+        """Apply `--resume auto|none|PATH` (collective); returns the checkpoint used, if any."""
+        if self.checkpoint_root is None and choice == "auto":
+            return None
+        root = self.checkpoint_root or Path(choice)
+        path = checkpoint.choose_checkpoint(choice, root, self.ctx.rank, self.run_log.warn)
+        if path is not None:
+            self.load_checkpoint(path)
+        return path
