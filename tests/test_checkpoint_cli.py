@@ -20,7 +20,7 @@ import torch
 from ddp_amp.checkpoint import commit_checkpoint, newest_complete, safe_load, verify_checkpoint
 from ddp_amp.checkpoint.manifest import MANIFEST_NAME, build_manifest, encode_manifest
 from ddp_amp.errors import UsageError
-from tests.ckpt_helpers import TASK
+from tests.resume_harness import TASK
 from tests.multiproc import REPO_ROOT, cli_env, run_train
 
 COMMON = ["--task", TASK, "--batch-size", "8", "--device", "cpu", "--log-every", "1000"]

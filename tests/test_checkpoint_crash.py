@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ddp_amp.checkpoint import safe_load, verify_checkpoint
 from ddp_amp.checkpoint.commit import WRITE_DELAY_ENV
-from tests.ckpt_helpers import TASK, assert_bitwise_equal
+from tests.resume_harness import TASK, assert_bitwise_equal
 from tests.multiproc import REPO_ROOT, cli_env, run_train
 
 COMMON = ["--task", TASK, "--batch-size", "8", "--device", "cpu", "--log-every", "1000"]

@@ -19,7 +19,7 @@ from ddp_amp.checkpoint.load import map_data_position
 from ddp_amp.dist import DistContext, init_distributed
 from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
-from tests.ckpt_helpers import assert_bitwise_equal, build_trainer, config, straight_vs_resumed
+from tests.resume_harness import assert_bitwise_equal, build_trainer, config, straight_vs_resumed
 from tests.multiproc import run_ranks
 
 # (name, steps, resume_at, overrides). 2 ranks x micro 4 over 96 samples: 12 micro-batches

@@ -15,7 +15,7 @@ from ddp_amp.precision import resolve_precision
 from ddp_amp.tasks import load_task
 from ddp_amp.trainer import Trainer, seed_everything
 
-TASK = "tests.ckpt_task:make_task"
+TASK = "tests.plugins.ckpt_task:make_task"
 
 
 class NoticeLog(QuietRunLog):
