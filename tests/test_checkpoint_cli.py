@@ -102,6 +102,18 @@ def test_discovery_skips_corrupt_and_partial_and_retention_keeps_last(tmp_path: 
     assert torch.equal(safe_load(tmp_path / "step-00000003" / "model.pt")["w"], torch.full((4,), 3.0))
 
 
+def test_resaving_a_step_replaces_it_and_a_crash_midway_loses_nothing(tmp_path: Path) -> None:
+    commit_checkpoint(tmp_path, 2, _files(2))
+    commit_checkpoint(tmp_path, 5, _files(5))
+    commit_checkpoint(tmp_path, 5, _files(50))  # the same step again (a fresh run in an old dir)
+    assert torch.equal(safe_load(tmp_path / "step-00000005" / "model.pt")["w"], torch.full((4,), 50.0))
+    # A crash between moving the old step-5 aside and renaming the new one in:
+    (tmp_path / "step-00000005").rename(tmp_path / ".tmp-old-step-00000005-77")
+    warnings: list[str] = []
+    assert newest_complete(tmp_path, warnings.append) == tmp_path / ".tmp-old-step-00000005-77"
+    assert not warnings
+
+
 class _Payload:
     def __init__(self, marker: str) -> None:
         self.marker = marker

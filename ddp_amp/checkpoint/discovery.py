@@ -38,9 +38,25 @@ def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+ASIDE_DIR = re.compile(r"^\.tmp-old-step-(\d{8,})-\d+$")
+
+
+def _candidates(root: Path) -> list[Path]:
+    """Newest first: `step-N` dirs, plus any complete one a crash caught set aside while the
+    same step was being re-saved (see commit._move_into_place); a real `step-N` wins a tie."""
+    ranked = [(step, 1, path) for step, path in list_step_dirs(root)]
+    if root.is_dir():
+        for entry in root.iterdir():
+            match = ASIDE_DIR.match(entry.name)
+            if match and entry.is_dir():
+                ranked.append((int(match.group(1)), 0, entry))
+    return [path for _, _, path in sorted(ranked, reverse=True)]
+
+
 def newest_complete(root: Path, warn: Callable[[str], None]) -> Path | None:
     """The newest checkpoint under `root` whose manifest verifies; warns about each one skipped."""
-    for _, path in reversed(list_step_dirs(root)):
+    candidates = _candidates(root)
+    for path in candidates:
         try:
             verify_checkpoint(path)
         except IncompleteCheckpoint as reason:
