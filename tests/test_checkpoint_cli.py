@@ -57,12 +57,13 @@ def test_bad_input_fails_in_one_line_and_keeps_saved_checkpoints(tmp_path: Path)
                                                "--task-opt", "hidden=32"]))
     assert "tensor(s) differ" in line and "hint:" in line
 
-    # A full disk during the next save: the error names the kept checkpoint.
+    # A full disk during the next save, with --keep-last 1: the error names the kept
+    # checkpoint, and retention never ran because nothing new was committed.
     sizes = {name: (root / "step-00000002" / name).stat().st_size for name in ("model.pt", "train.pt")}
     assert sizes["model.pt"] < sizes["train.pt"]  # AdamW state: two more copies of the weights
     limit = (sizes["model.pt"] + sizes["train.pt"]) // 2
     full = subprocess.run([sys.executable, "-m", "ddp_amp.train", *COMMON, "--max-steps", "4",
-                           "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=180,
+                           "--keep-last", "1", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=180,
                           env=cli_env(), cwd=REPO_ROOT, preexec_fn=lambda: _limited_file_size(limit))
     line = _one_line_error(full)
     assert "step-00000004" in line and "File too large" in line and "step-00000002 is kept" in line, line

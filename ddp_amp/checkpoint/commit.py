@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -20,7 +21,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ddp_amp.checkpoint.discovery import list_step_dirs, step_dir_name
-from ddp_amp.checkpoint.manifest import MANIFEST_NAME, build_manifest, encode_manifest
+from ddp_amp.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileRecord, encode_manifest
 
 log = logging.getLogger(__name__)
 
@@ -39,35 +40,41 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class _ErrorKeepingWriter:
-    """A file wrapper that remembers the OSError of a failed write.
+class _HashingWriter:
+    """A file wrapper that hashes and counts what passes through, and keeps a write's OSError.
 
-    torch.save turns a failed write into a RuntimeError without the errno ("unexpected
-    pos ..."); keeping the original lets a full disk be reported as a full disk.
+    Hashing on the way out spares reading the file back for the manifest. torch.save turns
+    a failed write into a RuntimeError without the errno ("unexpected pos ..."); keeping
+    the original lets a full disk be reported as a full disk.
     """
 
     def __init__(self, handle: BinaryIO) -> None:
         self.handle = handle
+        self.digest = hashlib.sha256()
+        self.size = 0
         self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
         try:
-            return self.handle.write(data)
+            written = self.handle.write(data)
         except OSError as error:
             self.error = error
             raise
+        self.digest.update(data)
+        self.size += memoryview(data).nbytes
+        return written
 
     def flush(self) -> None:
         self.handle.flush()
 
 
-def _write_file(path: Path, payload: Any) -> None:
+def _write_file(path: Path, payload: Any) -> FileRecord:
     """bytes are written as they are; anything else through torch.save. Then fsync."""
     with open(path, "wb") as handle:
+        writer = _HashingWriter(handle)
         if isinstance(payload, bytes):
-            handle.write(payload)
+            writer.write(payload)
         else:
-            writer = _ErrorKeepingWriter(handle)
             try:
                 torch.save(payload, writer)
             except RuntimeError:
@@ -76,6 +83,7 @@ def _write_file(path: Path, payload: Any) -> None:
                 raise
         handle.flush()
         os.fsync(handle.fileno())
+    return {"size": writer.size, "sha256": writer.digest.hexdigest()}
 
 
 def _write_delay() -> float:
@@ -119,11 +127,13 @@ def commit_checkpoint(root: Path, step: int, files: dict[str, Any], keep_last: i
     delay = _write_delay()
     try:
         scratch.mkdir()
+        records = {}
         for name, payload in files.items():
-            _write_file(scratch / name, payload)
+            records[name] = _write_file(scratch / name, payload)
             if delay:
                 time.sleep(delay)
-        _write_file(scratch / MANIFEST_NAME, encode_manifest(build_manifest(scratch, step, list(files))))
+        manifest = {"format": FORMAT_VERSION, "step": step, "files": records}
+        _write_file(scratch / MANIFEST_NAME, encode_manifest(manifest))
         fsync_dir(scratch)
         _move_into_place(scratch, target)
         fsync_dir(root)

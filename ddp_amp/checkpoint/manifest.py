@@ -15,6 +15,7 @@ from typing import Any
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
 _CHUNK = 1 << 20
+FileRecord = dict[str, Any]  # {"size": bytes, "sha256": hex digest}
 
 
 class IncompleteCheckpoint(Exception):
@@ -32,7 +33,7 @@ def file_digest(path: Path) -> str:
 
 def build_manifest(directory: Path, step: int, names: list[str]) -> dict[str, Any]:
     """The manifest record for `names` (files already written and fsynced in `directory`)."""
-    files = {name: {"size": (directory / name).stat().st_size, "sha256": file_digest(directory / name)}
+    files: dict[str, FileRecord] = {name: {"size": (directory / name).stat().st_size, "sha256": file_digest(directory / name)}
              for name in sorted(names)}
     return {"format": FORMAT_VERSION, "step": step, "files": files}
 
