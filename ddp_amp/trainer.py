@@ -237,7 +237,11 @@ class Trainer:
         self.step, self.samples_seen = checkpoint.load_checkpoint(
             Path(path), self._checkpoint_parts(), self.ctx.rank, self.ctx.world_size,
             self.precision.name, self.run_log.info)
-        self._saved_step = self.step
+        # Saving this step again would only rewrite what is there; elsewhere (another run's
+        # checkpoint) it must still be written into this run's directory.
+        own = self.checkpoint_root and Path(path).resolve() == (
+            self.checkpoint_root / checkpoint.step_dir_name(self.step)).resolve()
+        self._saved_step = self.step if own else None
         self.run_log.info(f"resumed from {path} at step {self.step}")
 
     def resume(self, choice: str) -> Path | None:
