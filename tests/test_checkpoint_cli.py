@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_amp.checkpoint import commit_checkpoint, newest_complete, safe_load, verify_checkpoint
+from ddp_amp.checkpoint import commit_checkpoint, newest_complete, resolve_resume, safe_load, verify_checkpoint
+from ddp_amp.config import TrainConfig
 from ddp_amp.checkpoint.manifest import MANIFEST_NAME, build_manifest, encode_manifest
 from ddp_amp.errors import UsageError
 from tests.resume_harness import TASK
@@ -135,3 +136,20 @@ def test_checkpoint_with_pickled_code_is_refused_unexecuted(tmp_path: Path) -> N
     with pytest.raises(UsageError, match="pickled objects or code, refused unexecuted"):
         safe_load(evil / "model.pt")
     assert not marker.exists()
+
+
+def test_resume_choices_and_option_checks(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    for step in (3, 7):
+        commit_checkpoint(root, step, _files(step))
+    assert resolve_resume("none", root, print) is None
+    assert resolve_resume("auto", root, print) == root / "step-00000007"
+    assert resolve_resume(str(root), tmp_path / "elsewhere", print) == root / "step-00000007"
+    assert resolve_resume(str(root / "step-00000003"), tmp_path / "elsewhere", print) == root / "step-00000003"
+    (root / "step-00000003" / "meta.json").write_bytes(b"{} ")  # one byte more than listed
+    with pytest.raises(UsageError, match="bytes, manifest says"):
+        resolve_resume(str(root / "step-00000003"), root, print)
+    assert resolve_resume("auto", tmp_path / "empty", print) is None
+    for option in ("ckpt_every", "keep_last"):
+        with pytest.raises(UsageError, match=option.replace("_", "-")):
+            TrainConfig(**{option: -1})
