@@ -126,3 +126,12 @@ def test_other_model_is_refused_with_hint(two_rank_results: list[dict[str, Any]]
     with pytest.raises(UsageError, match=r"tensor\(s\) differ.*\[16, 8\] vs model \[32, 8\]"):
         trainer.load_checkpoint(Path(two_rank_results[0]["fp32"][2]))
     assert trainer.step == 0
+
+
+@pytest.mark.cuda
+def test_one_rank_resume_is_bitwise_exact_on_cuda(tmp_path: Path) -> None:
+    ctx = init_distributed(DistEnv(), device="cuda")
+    expected, resumed, saved = straight_vs_resumed(ctx, tmp_path, 9, 4, device="cuda", precision="fp16",
+                                                   task_opt=("loss_mult=100",))
+    assert "cuda" in safe_load(saved / "rng.pt")["ranks"][0]  # the GPU's RNG state travels too
+    assert_bitwise_equal(expected, resumed, "cuda fp16")
