@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from ddp_amp.config import TrainConfig, build_parser
+from ddp_amp.train import main
 from tests.multiproc import run_train
 
 
@@ -33,16 +34,24 @@ def test_torchrun_two_ranks_trains_in_every_precision(precision: str, tmp_path: 
     (["--max-steps", "ten"], "--max-steps='ten': expected a value of type int"),
     (["--device", "cuda"], "--device='cuda': expected a machine with a CUDA GPU"),
 ])
-def test_bad_input_is_one_line_and_exit_code_2(args: list[str], fragment: str, tmp_path: Path) -> None:
+def test_bad_input_is_one_line_and_exit_code_2(args: list[str], fragment: str, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("this machine has a GPU, so --device cuda is valid here")
-    result = run_train(args + ["--run-dir", str(tmp_path / "run")])
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and fragment in lines[0] and "hint:" in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
+    assert main(args + ["--run-dir", str(tmp_path / "run")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0] and "hint:" in lines[0], lines
+    assert not (tmp_path / "run").exists()  # nothing written for a run that never started
+
+
+def test_bad_input_from_real_processes_exits_non_zero_with_one_line(tmp_path: Path) -> None:
+    alone = run_train(["--precision", "fp8", "--run-dir", str(tmp_path)])
+    assert alone.returncode == 2 and alone.stderr.count("\n") == 1 and "Traceback" not in alone.stderr
+    # Under torchrun both ranks reject the batch; rank 0 alone says so, torchrun exits non-zero.
+    pair = run_train(["--batch-size", "3", "--run-dir", str(tmp_path)], nproc=2)
+    assert pair.returncode != 0 and pair.stderr.count("ddp_amp: error: --batch-size=3") == 1
 
 
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
