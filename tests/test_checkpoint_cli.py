@@ -21,8 +21,9 @@ from ddp_amp.checkpoint import commit_checkpoint, newest_complete, resolve_resum
 from ddp_amp.config import TrainConfig
 from ddp_amp.checkpoint.manifest import MANIFEST_NAME, build_manifest, encode_manifest
 from ddp_amp.errors import UsageError
+from ddp_amp.train import main
 from tests.resume_harness import TASK
-from tests.multiproc import REPO_ROOT, cli_env, run_train
+from tests.multiproc import REPO_ROOT, cli_env
 
 COMMON = ["--task", TASK, "--batch-size", "8", "--device", "cpu", "--log-every", "1000"]
 
@@ -39,23 +40,32 @@ def _one_line_error(result: subprocess.CompletedProcess[str], code: int = 2) -> 
     return lines[0]
 
 
+def _in_process_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run the CLI's main() here (no interpreter start-up); expect exit 2 and one line."""
+    capsys.readouterr()
+    assert main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddp_amp: error: "), lines
+    return lines[0]
+
+
 def _limited_file_size(limit: int) -> None:
     # A full disk as an unprivileged test can make one: writes past `limit` bytes fail with
     # EFBIG (Python ignores SIGXFSZ), midway through torch.save, as ENOSPC would.
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
-def test_bad_input_fails_in_one_line_and_keeps_saved_checkpoints(tmp_path: Path) -> None:
+def test_bad_input_fails_in_one_line_and_keeps_saved_checkpoints(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
-    first = run_train(COMMON + ["--max-steps", "2", "--run-dir", str(run_dir)])
-    assert first.returncode == 0, first.stderr
+    assert main(COMMON + ["--max-steps", "2", "--run-dir", str(run_dir)]) == 0
     root = run_dir / "checkpoints"
     saved = _digests(root)
     assert "step-00000002/model.pt" in saved
 
     # Another model (wider hidden layer) in the same run directory.
-    line = _one_line_error(run_train(COMMON + ["--max-steps", "4", "--run-dir", str(run_dir),
-                                               "--task-opt", "hidden=32"]))
+    line = _in_process_error(COMMON + ["--max-steps", "4", "--run-dir", str(run_dir), "--task-opt", "hidden=32"],
+                             capsys)
     assert "tensor(s) differ" in line and "hint:" in line
 
     # A full disk during the next save, with --keep-last 1: the error names the kept
@@ -64,20 +74,20 @@ def test_bad_input_fails_in_one_line_and_keeps_saved_checkpoints(tmp_path: Path)
     assert sizes["model.pt"] < sizes["train.pt"]  # AdamW state: two more copies of the weights
     limit = (sizes["model.pt"] + sizes["train.pt"]) // 2
     full = subprocess.run([sys.executable, "-m", "ddp_amp.train", *COMMON, "--max-steps", "4",
-                           "--keep-last", "1", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=180,
-                          env=cli_env(), cwd=REPO_ROOT, preexec_fn=lambda: _limited_file_size(limit))
+                           "--keep-last", "1", "--run-dir", str(run_dir)], capture_output=True, text=True,
+                          timeout=180, env=cli_env(), cwd=REPO_ROOT, preexec_fn=lambda: _limited_file_size(limit))
     line = _one_line_error(full)
     assert "step-00000004" in line and "File too large" in line and "step-00000002 is kept" in line, line
     assert _digests(root) == saved  # nothing lost, no partial step-4, no scratch left
 
     # A --resume PATH that does not exist.
-    line = _one_line_error(run_train(COMMON + ["--run-dir", str(run_dir), "--resume", str(tmp_path / "nope")]))
+    line = _in_process_error(COMMON + ["--run-dir", str(run_dir), "--resume", str(tmp_path / "nope")], capsys)
     assert line.startswith("ddp_amp: error: --resume=") and "--resume auto" in line
 
     # A run directory that cannot be created (under a regular file: fails even for root).
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    line = _one_line_error(run_train(COMMON + ["--run-dir", str(blocker / "run")]))
+    line = _in_process_error(COMMON + ["--run-dir", str(blocker / "run")], capsys)
     assert "--run-dir" in line and "writable" in line
     assert _digests(root) == saved
 
