@@ -36,16 +36,13 @@ from ddp_amp import interim_checkpoint
 from ddp_amp.autocast import AutocastModule, unwrap_model
 from ddp_amp.data import to_device
 from ddp_amp.dist import (BackendChoice, DeviceChoice, DistContext, all_gather_objects,
-                          broadcast_object, init_distributed, shutdown_distributed)
+                          init_distributed, shutdown_distributed)
 from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.precision import Precision, resolve_precision
 from ddp_amp.scaler import AgreedGradScaler
 
 log = logging.getLogger(__name__)
-
-# The checkpoint key under which `save` stores the scaler: the loss scale is training state.
-SCALER_KEY = "scaler"
 
 
 @dataclass(frozen=True)
@@ -76,7 +73,8 @@ class Session:
     def __enter__(self) -> Session:
         """Detect the launcher and join the process group (collective)."""
         if self._ctx is not None:
-            raise UsageError("Session", "already started", "one `with` block per Session", "")
+            raise UsageError("Session", "already started", "one `with` block per Session",
+                             "make a new Session for a new block")
         precision, device, backend, timeout_s = self._choices
         env = detect_env(os.environ if self._environ is None else self._environ)
         ctx = init_distributed(env, device, backend, timeout_s)
@@ -113,7 +111,8 @@ class Session:
     @property
     def ctx(self) -> DistContext:
         if self._ctx is None:
-            raise UsageError("Session", "not started", "use inside `with Session(...) as session:`", "")
+            raise UsageError("Session", "not started", "a started session",
+                             "use it inside `with Session(...) as session:`")
         return self._ctx
 
     @property
@@ -184,7 +183,8 @@ class Session:
         """
         inner = model.module if isinstance(model, DDP) else model
         if not isinstance(inner, AutocastModule):
-            raise UsageError("model", type(model).__name__, "a model returned by Session.setup", "")
+            raise UsageError("model", type(model).__name__, "a model returned by Session.setup",
+                             "pass what session.setup(model) returned")
         return inner
 
     @staticmethod
@@ -235,7 +235,8 @@ class Session:
         if not optimizers:
             raise UsageError("optimizers", "none", "at least one optimizer", "session.step(optimizer)")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise UsageError("clip_grad_norm", clip_grad_norm, "a number > 0 or None", "")
+            raise UsageError("clip_grad_norm", clip_grad_norm, "a number > 0 or None",
+                             "None turns clipping off")
         scaler, grad_norm = self.scaler, None
         if clip_grad_norm is not None:
             # Unscale first: the threshold is in real gradient units. The agreed scaler
@@ -272,47 +273,15 @@ class Session:
     def save(self, path: str | os.PathLike[str], state: Mapping[str, Any]) -> None:
         """Save models (unwrapped), optimizers, anything with `state_dict`, plain values
         and the scaler into one file; rank 0 writes it atomically (collective)."""
-        if SCALER_KEY in state:
-            raise UsageError("state key", SCALER_KEY, "a key other than the reserved one",
-                             "the session saves its scaler under it")
-        payload = {key: _state_of(value) for key, value in state.items()}
-        payload[SCALER_KEY] = self.scaler.state_dict()
-        error = None
-        if self.is_main:
-            try:
-                interim_checkpoint.write_state_file(path, payload)
-            except OSError as failure:
-                error = f"{type(failure).__name__}: {failure}"
-        # Every rank learns whether the write worked, and none returns before it is done.
-        error = broadcast_object(error)
-        if error is not None:
-            raise UsageError("checkpoint path", str(path), "a writable location", str(error))
+        self.ctx  # noqa: B018 - raises when not started
+        interim_checkpoint.save(path, state, self.scaler, self.is_main)
 
     def load(self, path: str | os.PathLike[str], state: Mapping[str, Any]) -> dict[str, Any]:
         """Load a `save` file into the given objects and the scaler; return the whole file.
 
         Every rank reads the same file, so all replicas (and scalers) agree afterwards.
         """
-        payload = interim_checkpoint.read_state_file(path, self.device)
-        for key, target in state.items():
-            if key not in payload:
-                raise UsageError("checkpoint key", key, f"one of {sorted(payload)}", "save it first")
-            if isinstance(target, nn.Module):
-                unwrap_model(target).load_state_dict(payload[key])
-            elif hasattr(target, "load_state_dict"):
-                target.load_state_dict(payload[key])
-        scaler_state = payload.get(SCALER_KEY) or {}
-        if self.scaler.is_enabled() and scaler_state:  # a disabled scaler saves {}
-            self.scaler.load_state_dict(scaler_state)
-        return payload
-
-
-def _state_of(value: Any) -> Any:
-    if isinstance(value, nn.Module):
-        return unwrap_model(value).state_dict()  # no `module.` prefixes from the wrappers
-    if hasattr(value, "state_dict"):
-        return value.state_dict()
-    return value
+        return interim_checkpoint.load(path, state, self.scaler, self.device)
 
 
 def _release_ddp(model: DDP) -> None:
