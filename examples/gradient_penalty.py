@@ -31,7 +31,7 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.cat([torch.sin(x[:, :1]), torch.cos(x[:, 1:2])], dim=1)
 
 
-def penalised(model: nn.Module, loss: torch.Tensor, grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def penalised(loss: torch.Tensor, grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return loss + LAMBDA * torch.sqrt(sum(g.pow(2).sum() for g in grads))
 
 
@@ -54,7 +54,7 @@ def reference(model: nn.Module, world_size: int, rank: int, step: int) -> tuple[
         grads = torch.autograd.grad(loss, params, create_graph=True)
         if r == rank:
             penalty_grad = flat(grads)
-        (penalised(model, loss, grads) / world_size).backward()
+        (penalised(loss, grads) / world_size).backward()
     return penalty_grad, flat([p.grad for p in params])
 
 
@@ -71,7 +71,7 @@ def train(session: Session) -> dict[str, object]:
             loss = nn.functional.mse_loss(model(x), y)
         grads = session.unscaled_grad(loss, params)  # d(loss)/d(params), real units, graph kept
         with session.autocast():
-            total = penalised(model, loss, grads)
+            total = penalised(loss, grads)
         session.backward(total)
         if step == 0:
             want_penalty, want_total = reference(fp32_copy, session.world_size, session.rank, step)

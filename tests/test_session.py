@@ -41,6 +41,21 @@ def test_single_process_needs_no_group_and_wraps_in_autocast_only() -> None:
         assert session.scaler.is_enabled()
 
 
+def test_fp32_session_passes_through_without_scaling() -> None:
+    with Session("fp32", "cpu", environ={}) as session:
+        model = session.setup(tiny())
+        assert not session.scaler.is_enabled() and session.scale(torch.tensor(3.0)).item() == 3.0
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        before = [p.detach().clone() for p in model.parameters()]
+        session.backward(model(torch.randn(6, 4)).pow(2).mean())
+        result = session.step(optimizer, clip_grad_norm=1e-3)
+        assert result.skipped is not None and int(result.skipped) == 0
+        assert result.grad_norm is not None and result.grad_norm.item() > 1e-3
+        norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+        assert norm == pytest.approx(1e-3, rel=1e-3)
+        assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 def test_misuse_is_a_usage_error() -> None:
     session = Session("fp32", "cpu", environ={})
     with pytest.raises(UsageError, match="not started"):
