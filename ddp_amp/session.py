@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -67,23 +68,28 @@ class Session:
         self._precision: Precision | None = None
         self._scaler: AgreedGradScaler | None = None
         self._ddp_refs: list[weakref.ref[DDP]] = []
+        self._owns_group = False
 
     # -- lifecycle -------------------------------------------------------------------
 
     def __enter__(self) -> Session:
         """Detect the launcher and join the process group (collective)."""
         if self._ctx is not None:
-            raise UsageError("Session", "already started", "one `with` block per Session",
-                             "make a new Session for a new block")
+            raise UsageError("Session", "already started", "a session not yet started",
+                             "do not nest `with` blocks of one Session")
         precision, device, backend, timeout_s = self._choices
         env = detect_env(os.environ if self._environ is None else self._environ)
+        # A group the caller made before is the caller's to destroy; one we make is ours.
+        owns_group = not dist.is_initialized()
         ctx = init_distributed(env, device, backend, timeout_s)
         try:
             self._precision = resolve_precision(precision, ctx.device)
             self._scaler = self._precision.make_scaler(**self._scaler_options)
         except Exception:
-            shutdown_distributed()
+            if owns_group:
+                shutdown_distributed()
             raise
+        self._owns_group = owns_group
         self._ctx = ctx
         log.debug("session: rank %d/%d on %s, %s (%s)", ctx.rank, ctx.world_size, ctx.device,
                   self._precision.name, self._precision.reason)
@@ -94,16 +100,21 @@ class Session:
         self.close()
 
     def close(self) -> None:
-        """Release the DDP wrappers this session made and leave the process group."""
+        """Leave the process group the session joined, after releasing its DDP wrappers.
+
+        A group that existed before the session is left alone, and so are its models.
+        """
         if self._ctx is None:
             return
         self._ctx = None
+        refs, self._ddp_refs = self._ddp_refs, []
+        if not self._owns_group:
+            return
         gc.collect()
-        for ref in self._ddp_refs:
+        for ref in refs:
             model = ref()
             if model is not None:
                 _release_ddp(model)
-        self._ddp_refs.clear()
         shutdown_distributed()
 
     # -- where this process is -----------------------------------------------------------

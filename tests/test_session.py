@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_amp import AutocastModule, DistContext, Session, UsageError
-from tests.multiproc import run_ranks
+from tests.multiproc import REPO_ROOT, cli_env, run_ranks
 
 
 def tiny() -> nn.Module:
@@ -123,20 +126,32 @@ def test_failed_save_keeps_previous_file_and_leaves_no_scratch(tmp_path: Path) -
             session.load(tmp_path / "garbage.pt", {})
 
 
-def _close_with_live_model(ctx: DistContext) -> dict[str, object]:
-    """On 2 ranks: leave the session while the DDP model is still referenced."""
+def _session_in_callers_group(ctx: DistContext) -> dict[str, object]:
+    """On 2 ranks whose group the caller made: the session must leave it (and the model) be."""
     with Session("fp16", "cpu", environ=os.environ) as session:
         model = session.setup(tiny(), find_unused_parameters=True)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         one_step(session, model, optimizer, clip_grad_norm=0.5)
-        was_ddp = isinstance(model, DDP)
-    return {"was_ddp": was_ddp, "group_gone": not dist.is_initialized(),
-            "reducer_released": not hasattr(model, "reducer"),
+    group_kept = dist.is_initialized()
+    model(torch.randn(6, 4)).float().pow(2).mean().backward()  # DDP still works: an all-reduce
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    return {"was_ddp": isinstance(model, DDP), "group_kept": group_kept, "grads": grads,
             "params": torch.cat([p.detach().flatten() for p in model.parameters()])}
 
 
-def test_close_releases_live_ddp_models_and_leaves_the_group() -> None:
-    results = run_ranks(_close_with_live_model, 2)
+def test_session_leaves_a_callers_group_alone() -> None:
+    results = run_ranks(_session_in_callers_group, 2)
     for result in results:
-        assert result["was_ddp"] and result["group_gone"] and result["reducer_released"]
+        assert result["was_ddp"] and result["group_kept"]
     assert torch.equal(results[0]["params"], results[1]["params"])
+    assert torch.equal(results[0]["grads"], results[1]["grads"])
+
+
+def test_close_releases_a_live_ddp_model_and_exits_cleanly(tmp_path: Path) -> None:
+    facts = tmp_path / "facts.json"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node=2", str(REPO_ROOT / "tests/scripts/session_live_model.py"),
+                             str(facts)], capture_output=True, text=True, timeout=240, env=cli_env())
+    assert result.returncode == 0 and "terminate called" not in result.stderr, result.stderr[-4000:]
+    observed = json.loads(facts.read_text())
+    assert observed == {"group_gone": True, "reducer_released": True, "model_alive": True}
