@@ -220,7 +220,10 @@ class Session:
         return self.scaler.scale(loss)
 
     def backward(self, loss: torch.Tensor, **backward_options: Any) -> None:
-        """Backward of the scaled loss; keywords (retain_graph, inputs) go to `backward`."""
+        """Backward of the scaled loss; keywords (retain_graph, inputs) go to `backward`.
+
+        Collective through a DDP model (its gradient all-reduce), except inside `no_sync`.
+        """
         self.scaler.scale(loss).backward(**backward_options)
 
     def unscaled_grad(self, loss: torch.Tensor, inputs: Sequence[torch.Tensor],
@@ -229,7 +232,8 @@ class Session:
 
         Differentiates the *scaled* loss, so fp16 gradients do not underflow, then divides
         by the scale. With `create_graph` the result can enter a loss for `backward`; an
-        inf here makes that loss inf and the step is skipped, as it should be.
+        inf here makes that loss inf and the step is skipped, as it should be. Not
+        collective: DDP reduces gradients only in the final `backward`.
         """
         grads = torch.autograd.grad(self.scaler.scale(loss), list(inputs), create_graph=create_graph)
         inv_scale = 1.0 / self.scaler.get_scale()

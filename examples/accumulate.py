@@ -43,7 +43,7 @@ def reference_grad(model: nn.Module, world_size: int, step: int) -> torch.Tensor
 def train(session: Session) -> dict[str, object]:
     torch.manual_seed(0)  # the same initial model everywhere (DDP also broadcasts rank 0's)
     model = session.setup(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
-    reference = copy.deepcopy(session.unwrap(model)).float()
+    reference = copy.deepcopy(session.unwrap(model)).float().cpu()  # the check runs on the CPU
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     facts: dict[str, object] = {"scales": [], "skipped": [], "grad_rel_err": None}
     for step in range(STEPS):

@@ -44,7 +44,7 @@ def reference_norm(model: nn.Module, world_size: int, step: int) -> float:
 def train(session: Session) -> dict[str, object]:
     torch.manual_seed(0)
     model = session.setup(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)))
-    reference = copy.deepcopy(session.unwrap(model))
+    reference = copy.deepcopy(session.unwrap(model)).cpu()  # the check runs on the CPU
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     params = list(model.parameters())
     facts: dict[str, object] = {"max_norm": MAX_NORM, "pre_clip": [], "post_clip": [], "skipped": []}

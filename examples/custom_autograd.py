@@ -99,7 +99,7 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def train(session: Session) -> dict[str, object]:
     torch.manual_seed(0)
     model = session.setup(Net(*make_functions(session.precision.device_type)))
-    reference = PlainNet(copy.deepcopy(session.unwrap(model)))
+    reference = PlainNet(copy.deepcopy(session.unwrap(model))).cpu()  # the check runs on the CPU
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     facts: dict[str, object] = {"skipped": []}
     for step in range(STEPS):

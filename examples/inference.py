@@ -55,7 +55,7 @@ def evaluate(session: Session, model: nn.Module) -> dict[str, object]:
 
 def fp32_mse(model: nn.Module, world_size: int) -> float:
     """The same evaluation in fp32 on the plain module, every rank's share, for comparison."""
-    model = copy.deepcopy(model).float().eval()
+    model = copy.deepcopy(model).float().cpu().eval()
     total, count = 0.0, 0
     with torch.inference_mode():
         for rank in range(world_size):
@@ -95,7 +95,7 @@ def train(session: Session, checkpoint: str) -> dict[str, object]:
     facts["restored_state"] = flat_state(restored)
     facts["eval"] = evaluate(session, restored)
     facts["restored_step"] = saved["step"]
-    facts["fp32_mse"] = fp32_mse(session.unwrap(restored).cpu(), session.world_size)
+    facts["fp32_mse"] = fp32_mse(session.unwrap(restored), session.world_size)
     facts["scale_unchanged_by_eval"] = session.scaler.get_scale() == scale_before
     facts["optimizer_state_equal"] = all(
         torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in
