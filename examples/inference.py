@@ -1,6 +1,6 @@
 """Evaluation and inference under autocast, with no loss scaler; a checkpoint round trip.
 
-    python examples/inference.py --checkpoint /tmp/model.pt
+    python examples/inference.py
     torchrun --standalone --nproc_per_node=2 examples/inference.py --checkpoint /tmp/model.pt
 
 Train briefly, `session.save` a checkpoint (rank 0 writes), load it into a fresh model,
@@ -107,7 +107,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", default="fp16")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--checkpoint", default="inference-example.pt")
+    parser.add_argument("--checkpoint", default="runs/inference-example.pt",
+                        help="where to save; every rank reads it back, so on several nodes a shared path")
     parser.add_argument("--facts", help="write what every rank observed to this JSON file")
     args = parser.parse_args()
     with Session(args.precision, args.device) as session:
