@@ -50,8 +50,10 @@ log = logging.getLogger(__name__)
 class StepResult:
     """What `Session.step` did. Tensors stay on the device; read them at logging time."""
 
-    skipped: torch.Tensor | None  # 0-d int, 1 if the step was skipped (inf/NaN on any rank); None without update
-    grad_norm: torch.Tensor | None  # total unscaled norm before clipping; None without clipping
+    # 0-d int: 1 if the step was skipped (inf/NaN on any rank). None with update=False.
+    skipped: torch.Tensor | None
+    # Total norm of the unscaled gradients before clipping. None without clipping.
+    grad_norm: torch.Tensor | None
 
 
 class Session:

@@ -74,7 +74,8 @@ def main() -> None:
     parser.add_argument("--facts", help="write what every rank observed to this JSON file")
     args = parser.parse_args()
     # growth_interval=1: the scale doubles at every update, so its value counts the updates.
-    with Session(args.precision, args.device, scaler_options={"init_scale": 256.0, "growth_interval": 1}) as session:
+    scaler_options = {"init_scale": 256.0, "growth_interval": 1}
+    with Session(args.precision, args.device, scaler_options=scaler_options) as session:
         facts = session.all_gather_objects(train(session))
         if session.is_main:
             print(json.dumps(facts[0]["scales"]))

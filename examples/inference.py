@@ -68,7 +68,8 @@ def fp32_mse(model: nn.Module, world_size: int) -> float:
 
 def flat_state(model: nn.Module) -> list[float]:
     """Every parameter and buffer of the user's module, as one list."""
-    return torch.cat([t.detach().double().flatten().cpu() for t in Session.unwrap(model).state_dict().values()]).tolist()
+    state = Session.unwrap(model).state_dict().values()
+    return torch.cat([t.detach().double().flatten().cpu() for t in state]).tolist()
 
 
 def train(session: Session, checkpoint: str) -> dict[str, object]:
