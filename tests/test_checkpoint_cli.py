@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_amp.checkpoint import commit_checkpoint, newest_complete, resolve_resume, safe_load, verify_checkpoint
+from ddp_amp.checkpoint import (commit_checkpoint, newest_complete, resolve_resume, safe_load,
+                                verify_checkpoint)
 from ddp_amp.config import TrainConfig
 from ddp_amp.checkpoint.manifest import MANIFEST_NAME, build_manifest, encode_manifest
 from ddp_amp.errors import UsageError
@@ -55,8 +56,8 @@ def _limited_file_size(limit: int) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
-def test_bad_input_fails_in_one_line_and_keeps_saved_checkpoints(tmp_path: Path,
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_fails_in_one_line_and_keeps_saved_checkpoints(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
     assert main(COMMON + ["--max-steps", "2", "--run-dir", str(run_dir)]) == 0
     root = run_dir / "checkpoints"
@@ -64,8 +65,8 @@ def test_bad_input_fails_in_one_line_and_keeps_saved_checkpoints(tmp_path: Path,
     assert "step-00000002/model.pt" in saved
 
     # Another model (wider hidden layer) in the same run directory.
-    line = _in_process_error(COMMON + ["--max-steps", "4", "--run-dir", str(run_dir), "--task-opt", "hidden=32"],
-                             capsys)
+    wider = ["--max-steps", "4", "--run-dir", str(run_dir), "--task-opt", "hidden=32"]
+    line = _in_process_error(COMMON + wider, capsys)
     assert "tensor(s) differ" in line and "hint:" in line
 
     # A full disk during the next save, with --keep-last 1: the error names the kept
@@ -75,13 +76,15 @@ def test_bad_input_fails_in_one_line_and_keeps_saved_checkpoints(tmp_path: Path,
     limit = (sizes["model.pt"] + sizes["train.pt"]) // 2
     full = subprocess.run([sys.executable, "-m", "ddp_amp.train", *COMMON, "--max-steps", "4",
                            "--keep-last", "1", "--run-dir", str(run_dir)], capture_output=True, text=True,
-                          timeout=180, env=cli_env(), cwd=REPO_ROOT, preexec_fn=lambda: _limited_file_size(limit))
+                          timeout=180, env=cli_env(), cwd=REPO_ROOT,
+                          preexec_fn=lambda: _limited_file_size(limit))
     line = _one_line_error(full)
     assert "step-00000004" in line and "File too large" in line and "step-00000002 is kept" in line, line
     assert _digests(root) == saved  # nothing lost, no partial step-4, no scratch left
 
     # A --resume PATH that does not exist.
-    line = _in_process_error(COMMON + ["--run-dir", str(run_dir), "--resume", str(tmp_path / "nope")], capsys)
+    missing = ["--run-dir", str(run_dir), "--resume", str(tmp_path / "nope")]
+    line = _in_process_error(COMMON + missing, capsys)
     assert line.startswith("ddp_amp: error: --resume=") and "--resume auto" in line
 
     # A run directory that cannot be created (under a regular file: fails even for root).
@@ -155,7 +158,8 @@ def test_resume_choices_and_option_checks(tmp_path: Path) -> None:
     assert resolve_resume("none", root, print) is None
     assert resolve_resume("auto", root, print) == root / "step-00000007"
     assert resolve_resume(str(root), tmp_path / "elsewhere", print) == root / "step-00000007"
-    assert resolve_resume(str(root / "step-00000003"), tmp_path / "elsewhere", print) == root / "step-00000003"
+    older = root / "step-00000003"
+    assert resolve_resume(str(older), tmp_path / "elsewhere", print) == older
     (root / "step-00000003" / "meta.json").write_bytes(b"{} ")  # one byte more than listed
     with pytest.raises(UsageError, match="bytes, manifest says"):
         resolve_resume(str(root / "step-00000003"), root, print)

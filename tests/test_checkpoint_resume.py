@@ -42,8 +42,8 @@ def _resume_cases(ctx: DistContext, tmp: str) -> dict[str, Any]:
     for source, target in (("fp32", "fp16"), ("fp16_accum", "bf16")):
         trainer = build_trainer(config(precision=target), ctx, None)
         trainer.load_checkpoint(Path(results[source][2]))
-        results[f"{source}->{target}"] = (trainer.run_log.lines, trainer.scaler.state_dict(),  # type: ignore[attr-defined]
-                                          trainer.step)
+        lines = trainer.run_log.lines  # type: ignore[attr-defined]
+        results[f"{source}->{target}"] = (lines, trainer.scaler.state_dict(), trainer.step)
     return results
 
 
@@ -70,9 +70,11 @@ def test_checkpoint_contents_load_as_plain_data(two_rank_results: list[dict[str,
     assert set(manifest["files"]) == {"model.pt", "train.pt", "rng.pt", "meta.json"}
     model_state = safe_load(path / "model.pt")  # weights_only=True, nothing allow-listed
     assert not any(key.startswith(("module.", "_orig_mod.")) for key in model_state)
-    nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4)).load_state_dict(model_state)
+    plain = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4))
+    plain.load_state_dict(model_state)
     train = safe_load(path / "train.pt")
-    assert train["step"] == 7 and train["samples_seen"] == 56 and train["data"] == {"epoch": 0, "batch_in_epoch": 7}
+    assert train["step"] == 7 and train["samples_seen"] == 56
+    assert train["data"] == {"epoch": 0, "batch_in_epoch": 7}
     assert {"optimizer", "scaler", "scheduler", "scaler_skipped_total"} <= set(train)
     rng = safe_load(path / "rng.pt")["ranks"]
     assert len(rng) == 2 and set(rng[0]) >= {"python", "numpy", "torch"}
@@ -110,7 +112,8 @@ def test_world_size_change_maps_or_refuses(two_rank_results: list[dict[str, Any]
     trainer = build_trainer(config(), _single(), None)
     trainer.load_checkpoint(path)
     assert trainer.stream.state_dict() == {"epoch": 0, "batch_in_epoch": 7} and trainer.step == 7
-    assert any("saved with 2 rank(s)" in line for line in trainer.run_log.lines)  # type: ignore[attr-defined]
+    notices = trainer.run_log.lines  # type: ignore[attr-defined]
+    assert any("saved with 2 rank(s)" in line for line in notices)
     # micro 12 does not divide 56: refused with a hint, before anything is changed.
     odd = build_trainer(config(batch_size=12), _single(), None)
     before = {k: v.clone() for k, v in odd.autocast_model.unwrap().state_dict().items()}
@@ -118,7 +121,8 @@ def test_world_size_change_maps_or_refuses(two_rank_results: list[dict[str, Any]
         odd.load_checkpoint(path)
     assert_bitwise_equal(before, odd.autocast_model.unwrap().state_dict())
     meta = {"world_size": 2, "micro_batch_size": 4, "batches_per_epoch": 12}
-    assert map_data_position(meta, {"epoch": 3, "batch_in_epoch": 12}, 3, 5, 6) == {"epoch": 4, "batch_in_epoch": 0}
+    at_epoch_end = {"epoch": 3, "batch_in_epoch": 12}
+    assert map_data_position(meta, at_epoch_end, 3, 5, 6) == {"epoch": 4, "batch_in_epoch": 0}
 
 
 def test_other_model_is_refused_with_hint(two_rank_results: list[dict[str, Any]]) -> None:

@@ -132,7 +132,8 @@ def _agree_on_failure(failure: tuple[str, str, str, str] | None) -> None:
 def _as_failure(error: Exception, path: Path) -> tuple[str, str, str, str]:
     if isinstance(error, UsageError):
         return (error.what, str(error.value), error.expected, error.hint)
-    return ("--resume", str(path), "a readable ddp_amp checkpoint", f"{type(error).__name__}: {error}"[:300])
+    reason = f"{type(error).__name__}: {error}"[:300]
+    return ("--resume", str(path), "a readable ddp_amp checkpoint", reason)
 
 
 def choose_checkpoint(choice: str, root: Path, rank: int, warn: Callable[[str], None]) -> Path | None:

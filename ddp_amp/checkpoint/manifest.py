@@ -33,8 +33,9 @@ def file_digest(path: Path) -> str:
 
 def build_manifest(directory: Path, step: int, names: list[str]) -> dict[str, Any]:
     """The manifest record for `names` (files already written and fsynced in `directory`)."""
-    files: dict[str, FileRecord] = {name: {"size": (directory / name).stat().st_size, "sha256": file_digest(directory / name)}
-             for name in sorted(names)}
+    files: dict[str, FileRecord] = {
+        name: {"size": (directory / name).stat().st_size, "sha256": file_digest(directory / name)}
+        for name in sorted(names)}
     return {"format": FORMAT_VERSION, "step": step, "files": files}
 
 

@@ -38,7 +38,8 @@ class SaveResult:
 def _write_failure(root: Path, step: int, error: OSError) -> tuple[str, str, str, str]:
     """CheckpointError's arguments (exceptions with custom __init__ do not survive pickling)."""
     kept = list_step_dirs(root)
-    kept_note = f"the previous checkpoint {kept[-1][1].name} is kept" if kept else "no earlier checkpoint exists"
+    kept_note = (f"the previous checkpoint {kept[-1][1].name} is kept" if kept
+                 else "no earlier checkpoint exists")
     if error.errno in _NO_SPACE:
         hint = f"free disk space (or lower --keep-last); {kept_note}"
     else:

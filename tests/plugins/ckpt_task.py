@@ -44,8 +44,8 @@ def make_task(config: TrainConfig) -> Task:
     targets = torch.sin(inputs[:, :4] * 2)
     model = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, 4))
     if "kill_at" in options:
-        model.register_forward_pre_hook(_kill_hook(int(options["kill_at"]), int(options.get("kill_rank", "1")),
-                                                   config.grad_accum))
+        kill_rank = int(options.get("kill_rank", "1"))
+        model.register_forward_pre_hook(_kill_hook(int(options["kill_at"]), kill_rank, config.grad_accum))
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.mse_loss(output.float(), target) * loss_mult
