@@ -49,6 +49,10 @@ def train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         task = load_task(config.task, config)
         seed_everything(config.seed + ctx.rank)  # per-rank dropout and augmentation
         trainer = Trainer(config, task, ctx, precision, run_log)
+        # Records past the step we start from belong to a lost attempt: drop them, so a
+        # requeued run neither duplicates nor misses steps. (After a checkpoint load, also
+        # call trainer.watch.after_resume(trainer.step) there: the rank-sync check.)
+        run_log.rewind_to(trainer.step)
         run_log.write_json("config.json", {"config": config.to_dict(), "env": vars(ctx.env),
                                            "device": str(ctx.device), "backend": ctx.backend,
                                            "precision": precision.name})
