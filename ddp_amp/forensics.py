@@ -20,8 +20,8 @@ Without a process group (one process) there is no reduction: the gradients are l
 `scan_grads` names the parameters from `.grad` directly.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: DDP's register_comm_hook compares the hook's
+# annotations with the real `dist.GradBucket` / `Future[Tensor]` objects, not strings.
 from typing import Any
 
 import torch
