@@ -138,7 +138,7 @@ class LossScaleOptions:
                                    ("--loss-scale-hysteresis", self.hysteresis, 1),
                                    ("--max-consecutive-skips", self.max_consecutive_skips, 0)):
             if value < least:
-                raise UsageError(flag, value, f"an integer >= {least}", "")
+                raise UsageError(flag, value, f"an integer >= {least}", f"e.g. {flag} {max(least, 1)}")
 
 
 _ADVICE = ("Nothing was checkpointed from this state. Try --precision bf16 (fp32's exponent "
