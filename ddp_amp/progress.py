@@ -8,17 +8,31 @@ above it through `tqdm.write`, so the bar is never torn. When stdout is not a te
 
 from __future__ import annotations
 
+import io
+import os
 from typing import Any, TextIO
 
 from tqdm import tqdm
+
+
+def _terminal_size(stream: TextIO) -> int:
+    """columns x lines of the terminal behind `stream`; 0 where it reports none."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+        return size.columns * size.lines
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return 0
 
 
 class ProgressBar:
     """A tqdm bar over optimizer steps, writing to `stream`."""
 
     def __init__(self, stream: TextIO, total: int, initial: int = 0) -> None:
+        # Follow the terminal's size, except where it reports 0 x 0 (a bare pty, some batch
+        # consoles): tqdm would then hide the bar (it draws only rows < the height).
+        width: dict[str, Any] = {"dynamic_ncols": True} if _terminal_size(stream) > 0 else {"ncols": 100, "nrows": 24}
         self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", file=stream,
-                         dynamic_ncols=True, leave=True, mininterval=0.1)
+                         leave=True, mininterval=0.1, **width)
 
     def advance(self, steps: int = 1) -> None:
         self._bar.update(steps)
