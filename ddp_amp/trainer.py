@@ -186,6 +186,7 @@ class Trainer:
                 self.run_log.metrics(record)
                 self.watch.on_log(record)
                 window_start, window_samples, window_steps = now, self.samples_seen, self.step
+        self.watch.finish(self.step)
         elapsed = time.perf_counter() - started
         summary = self.log_record(loss, self.samples_seen / max(elapsed, 1e-9),
                                   elapsed / max(self.step - started_step, 1))

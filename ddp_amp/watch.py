@@ -4,7 +4,8 @@ The trainer makes one `RunWatch` and calls it at three points:
 - `after_update(step)`: every step, after `scaler.update()` and before `zero_grad` (the
   skipped step's gradients are still there for forensics);
 - `on_log(record)`: at every logged step;
-- `after_resume(step)`: once, right after a checkpoint was loaded (the lead's resume path).
+- `after_resume(step)`: once, right after a checkpoint was loaded (the lead's resume path);
+- `finish(step)`: after the last step (reports overflows not reported yet).
 
 Cost per step. Under fp16 the skip counters are read from the device every step on a CPU
 (free there) and every `check_every` steps on a GPU (each read is a host sync); the
@@ -78,6 +79,10 @@ class RunWatch:
                 check_loss_finite(record["loss"], record["step"], self.precision)
             except TrainingHalted as error:
                 self._halt(record["step"], error)
+
+    def finish(self, step: int) -> None:
+        """At the end of training: report overflows not yet reported (collective)."""
+        self._report(step)
 
     def after_resume(self, step: int) -> None:
         """Run right after loading a checkpoint, on every rank (collective)."""
