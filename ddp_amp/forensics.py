@@ -42,12 +42,14 @@ class OverflowProbe:
     """Per-rank record of non-finite local gradients, reported collectively after a skip."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], rank: int, device: torch.device,
-                 max_names: int = 5) -> None:
+                 max_names: int = 5, exact: bool | None = None) -> None:
         self.rank = rank
         self.max_names = max_names
         self._names = {id(p): name for name, p in named_params}
         self._params = named_params
-        self._exact = device.type == "cpu"  # reading a flag costs nothing on a CPU
+        # Per-parameter names at once where reading a flag costs nothing (a CPU); `exact`
+        # overrides the choice (tests drive the GPU's bucket-granularity path on a CPU).
+        self._exact = device.type == "cpu" if exact is None else exact
         self._hooked = False
         self._reset()
 

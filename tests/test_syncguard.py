@@ -6,10 +6,13 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistContext
 from ddp_amp.errors import TrainingHalted
+from ddp_amp.forensics import OverflowProbe
 from ddp_amp.metrics import make_run_log
 from ddp_amp.precision import resolve_precision
 from ddp_amp.tasks import load_task
@@ -36,7 +39,20 @@ def _train_then_perturb(ctx: DistContext) -> dict[str, object]:
         except TrainingHalted as error:
             message = str(error)
         run_log.close()
-    return {"steps": trainer.step, "message": message}
+    return {"steps": trainer.step, "message": message, "forensics": _bucket_forensics(ctx)}
+
+
+def _bucket_forensics(ctx: DistContext) -> dict[str, object]:
+    """The GPU path of the overflow probe (device-side bucket counts), driven on a CPU."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    ddp = DDP(model)
+    probe = OverflowProbe(list(model.named_parameters()), ctx.rank, ctx.device, exact=False)
+    probe.install(ddp)
+    scale = float("inf") if ctx.rank == 1 else 1.0
+    (ddp(torch.ones(2, 4)).sum() * scale).backward()
+    record = probe.report(step=1, skipped=1)
+    del ddp
+    return record
 
 
 def test_guard_names_the_rank_and_parameter_that_drifted() -> None:
@@ -47,3 +63,7 @@ def test_guard_names_the_rank_and_parameter_that_drifted() -> None:
         assert "ranks out of sync after resume at step 4" in message
         assert "rank 1 differs from rank 0 in parameters 2.bias" in message
         assert "0.weight" not in message  # only the parameter that differs is named
+        forensics = result["forensics"]
+        assert forensics["ranks"] == [1], forensics  # type: ignore[index]
+        # One bucket holds all four tensors: named at bucket granularity, in bucket order.
+        assert sorted(forensics["params"]["1"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]  # type: ignore[index]
