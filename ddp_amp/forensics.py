@@ -51,13 +51,14 @@ class OverflowProbe:
         # overrides the choice (tests drive the GPU's bucket-granularity path on a CPU).
         self._exact = device.type == "cpu" if exact is None else exact
         self._hooked = False
+        self._bucket_names: dict[int, list[str]] = {}  # bucket index -> its parameters' names
+        self._bucket_seen: dict[int, int] = {}
         self._reset()
 
     def _reset(self) -> None:
         self._bad_names: list[str] = []
         self._local_bad = False
         self._bucket_bad: dict[int, torch.Tensor] = {}
-        self._bucket_names: dict[int, list[str]] = {}
 
     def install(self, model: nn.Module) -> bool:
         """Register the checking all-reduce as `model`'s DDP comm hook; False if not DDP.
@@ -80,7 +81,12 @@ class OverflowProbe:
             index = bucket.index()
             previous = self._bucket_bad.get(index)
             self._bucket_bad[index] = bad.to(torch.int32) if previous is None else previous + bad
-            if index not in self._bucket_names:  # buckets are rebuilt once, after step 1
+            # DDP rebuilds its buckets once, in the second iteration: take the names while
+            # a bucket index has been seen fewer than 3 times, then keep them (no per-step
+            # Python list of parameters).
+            seen = self._bucket_seen.get(index, 0)
+            if seen < 3:
+                self._bucket_seen[index] = seen + 1
                 self._bucket_names[index] = [self._names.get(id(p), "?") for p in bucket.parameters()]
         return allreduce_hook(None, bucket)  # type: ignore[arg-type]
 
