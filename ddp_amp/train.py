@@ -20,7 +20,7 @@ from typing import Any
 from ddp_amp.config import TrainConfig, parse_config
 from ddp_amp.dist import DistContext, init_distributed, shutdown_distributed
 from ddp_amp.env import DistEnv, detect_env
-from ddp_amp.errors import UsageError
+from ddp_amp.errors import TrainingHalted, UsageError
 from ddp_amp.metrics import make_run_log
 from ddp_amp.precision import resolve_precision
 from ddp_amp.tasks import load_task
@@ -86,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:  # every rank parsed the same input; one line is enough
             print(f"ddp_amp: error: {error}", file=sys.stderr)
         return 2
+    except TrainingHalted as error:
+        if debug:
+            raise
+        if rank == 0:  # raised on every rank together with the same diagnosis
+            print(f"ddp_amp: stopped: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except Exception as error:  # noqa: BLE001 - a one-line report, the traceback on --debug

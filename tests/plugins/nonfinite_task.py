@@ -1,6 +1,6 @@
 """A plugin task that goes non-finite on purpose, for the loss-scale guard and forensics tests.
 
-    --task tests.nonfinite_task:make_task --task-opt poison=0.weight --task-opt bad_rank=1 \
+    --task tests.plugins.nonfinite_task:make_task --task-opt poison=0.weight --task-opt bad_rank=1 \
         --task-opt from_step=3
 
 `poison=NAME`: from backward number `from_step` on, the gradient of parameter NAME becomes
