@@ -42,13 +42,15 @@ def test_hysteresis_tolerates_overflows_then_backs_off_to_the_floor() -> None:
 
 
 def test_default_options_behave_like_plain_gradscaler() -> None:
-    ours = AgreedGradScaler("cpu", init_scale=16.0, growth_interval=2)
     plain = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=2)
-    for overflow in [True, False, False, True, True, False]:
-        for scaler in (ours, plain):
-            param = torch.nn.Parameter(torch.ones(2))
-            _step(scaler, param, overflow)  # type: ignore[arg-type]
-        assert ours.get_scale() == plain.get_scale()
+    ours = AgreedGradScaler("cpu", init_scale=16.0, growth_interval=2)
+    # A floor far below reach takes our own update rule instead of torch's: same scales.
+    policy = AgreedGradScaler("cpu", init_scale=16.0, growth_interval=2, min_scale=1e-30)
+    for overflow in [True, False, False, True, True, False, False, False]:
+        for scaler in (plain, ours, policy):
+            _step(scaler, torch.nn.Parameter(torch.ones(2)), overflow)  # type: ignore[arg-type]
+        assert ours.get_scale() == plain.get_scale() == policy.get_scale()
+    assert plain.get_scale() == 8.0  # 16 -> 8 -> 16 -> 8 -> 4 -> 4 -> 8 -> 8
 
 
 def test_guard_stops_after_consecutive_skips_and_streak_survives_state_dict() -> None:
