@@ -53,3 +53,12 @@ def test_report_on_a_directory_without_metrics_is_one_line(tmp_path: Path, capsy
     assert report_main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "metrics.jsonl" in err and str(tmp_path) in err
+
+
+def test_report_without_matplotlib_says_how_to_get_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import` sees where it is absent
+    assert report_main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'ddp_amp[plot]'" in err
