@@ -73,15 +73,20 @@ class OverflowCounters:
             self.floor_streak = torch.tensor(self._loaded[1], dtype=torch.int64, device=device)
             self._worst = torch.zeros(2, dtype=torch.int64, device=device)
 
-    def record(self, skipped: torch.Tensor, scale_before: torch.Tensor, min_scale: float) -> None:
-        """Count one step; `skipped` is the agreed 0/1 flag, `scale_before` the scale it used."""
+    def record(self, skipped: torch.Tensor, scale_before: torch.Tensor, min_scale: float) -> torch.Tensor:
+        """Count one step and return the skip streak including it (a device tensor).
+
+        `skipped` is the agreed 0/1 flag, `scale_before` the scale the step used.
+        """
         self._ensure(scale_before.device)
         skipped = skipped.to(scale_before.device, torch.int64)
-        self.streak = (self.streak + 1) * skipped
+        streak = (self.streak + 1) * skipped
         at_floor = (scale_before <= min_scale).to(torch.int64).reshape(()) if min_scale > 0 \
             else torch.zeros_like(skipped)
-        self.floor_streak = (self.floor_streak + 1) * skipped * at_floor
-        self._worst = torch.maximum(self._worst, torch.stack([self.streak, self.floor_streak]))
+        floor_streak = (self.floor_streak + 1) * skipped * at_floor
+        self.streak, self.floor_streak = streak, floor_streak
+        self._worst = torch.maximum(self._worst, torch.stack([streak, floor_streak]))
+        return streak
 
     def worst(self) -> tuple[int, int]:
         """(longest skip streak, longest at-floor skip streak) since the last call (host sync)."""

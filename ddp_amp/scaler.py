@@ -78,10 +78,11 @@ class AgreedGradScaler(torch.amp.GradScaler):
                 skipped = (torch.stack(flags).sum() > 0).to(torch.int64)
                 self._last_skipped = skipped
                 self._skipped_total = skipped if self._skipped_total is None else self._skipped_total + skipped
-                self.overflow_counters.record(skipped, self._scale, self.min_scale)
-                if new_scale is None and (self.hysteresis > 1 or self.min_scale > 0):
+                streak = self.overflow_counters.record(skipped, self._scale, self.min_scale)
+                if new_scale is None and self._growth_tracker is not None and (
+                        self.hysteresis > 1 or self.min_scale > 0):
                     new_scale, tracker = next_scale(
-                        self._scale, self._growth_tracker, self.overflow_counters.streak,
+                        self._scale, self._growth_tracker, streak,
                         self._growth_factor, self._backoff_factor, self._growth_interval,
                         self.hysteresis, self.min_scale)
                     self._growth_tracker.copy_(tracker)

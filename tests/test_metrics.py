@@ -11,7 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ddp_amp.config import TrainConfig
+from ddp_amp.dist import init_distributed
+from ddp_amp.env import detect_env
 from ddp_amp.metrics import QuietRunLog, RunLog
+from ddp_amp.train import train
 from tests.multiproc import REPO_ROOT, cli_env
 
 
@@ -105,3 +109,14 @@ def test_two_rank_torchrun_on_a_terminal_shows_one_progress_bar(tmp_path: Path) 
     assert "samples/s=" in finished[0]
     assert "step=4 " not in output  # on a terminal the bar replaces the plain lines
     assert output.count("summary:") == 1 and "rank 1" not in output
+
+
+def test_a_restarted_run_replaces_its_metrics_instead_of_appending_twice(tmp_path: Path) -> None:
+    config = TrainConfig(task_opt=("hidden=16", "samples=256"), max_steps=10, log_every=5, batch_size=16,
+                         device="cpu", precision="fp32", run_dir=str(tmp_path))
+    for _ in range(2):  # a requeue with no checkpoint starts again from step 0
+        train(config, init_distributed(detect_env({}), device="cpu"))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert _steps(tmp_path / "metrics.jsonl") == [5, 10]
+    assert sum("summary" in r for r in records) == 1
+    assert all(r["step_time"] > 0 and r["peak_mem_mb"] > 0 for r in records if "loss" in r)
