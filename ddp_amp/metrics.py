@@ -113,7 +113,10 @@ class RunLog:
         self._metrics.flush()
 
     def warn(self, message: str) -> None:
-        print(f"[ddp_amp] warning: {message}", file=sys.stderr, flush=True)
+        if self._bar is not None:  # stderr on the same terminal would tear the bar
+            self._bar.write(f"[ddp_amp] warning: {message}", sys.stderr)
+        else:
+            print(f"[ddp_amp] warning: {message}", file=sys.stderr, flush=True)
 
     def write_json(self, name: str, payload: dict[str, Any]) -> None:
         """Write run_dir/name atomically (temporary file, then rename)."""

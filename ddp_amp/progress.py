@@ -44,8 +44,9 @@ class ProgressBar:
         self._bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v)
                                for k, v in shown.items() if v is not None}, refresh=False)
 
-    def write(self, line: str) -> None:
-        self._bar.write(line, file=self._bar.fp)
+    def write(self, line: str, stream: TextIO | None = None) -> None:
+        """Print `line` above the bar (to `stream`, default the bar's own), then redraw it."""
+        self._bar.write(line, file=stream or self._bar.fp)
 
     def close(self) -> None:
         self._bar.close()
