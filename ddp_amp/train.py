@@ -21,7 +21,7 @@ from ddp_amp.checkpoint import checkpoint_root, ensure_writable
 from ddp_amp.config import TrainConfig, parse_config
 from ddp_amp.dist import DistContext, init_distributed, shutdown_distributed
 from ddp_amp.env import DistEnv, detect_env
-from ddp_amp.errors import UsageError
+from ddp_amp.errors import TrainingHalted, UsageError
 from ddp_amp.metrics import make_run_log
 from ddp_amp.precision import resolve_precision
 from ddp_amp.tasks import load_task
@@ -58,7 +58,12 @@ def train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         run_log.info(f"task={task.name} world_size={ctx.world_size} device={ctx.device} "
                      f"backend={ctx.backend or 'none'} precision={precision.name} ({precision.reason}) "
                      f"run_dir={run_dir}")
-        trainer.resume(config.resume)
+        resumed_from = trainer.resume(config.resume)
+        # Records past the step we start from belong to a lost attempt: drop them, so a
+        # requeued run neither duplicates nor misses steps.
+        run_log.rewind_to(trainer.step)
+        if resumed_from is not None:
+            trainer.watch.after_resume(trainer.step)  # ranks must agree right after a load
         summary = trainer.fit()
         run_log.summary(summary)
         return summary
@@ -86,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:  # every rank parsed the same input; one line is enough
             print(f"ddp_amp: error: {error}", file=sys.stderr)
         return 2
+    except TrainingHalted as error:
+        if debug:
+            raise
+        if rank == 0:  # raised on every rank together with the same diagnosis
+            print(f"ddp_amp: stopped: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except Exception as error:  # noqa: BLE001 - a one-line report, the traceback on --debug

@@ -31,9 +31,11 @@ from ddp_amp.autocast import AutocastModule, unwrap_model
 from ddp_amp.config import TrainConfig
 from ddp_amp.data import BatchStream, to_device
 from ddp_amp.dist import DistContext, all_reduce_
+from ddp_amp.lossscale import LossScaleOptions
 from ddp_amp.metrics import RunLog, peak_memory_mb
 from ddp_amp.precision import Precision
 from ddp_amp.tasks import Task
+from ddp_amp.watch import RunWatch
 
 
 def seed_everything(seed: int) -> None:
@@ -69,7 +71,10 @@ class Trainer:
         self.optimizer = make_optimizer(task, config.optimizer, self.params,
                                         config.lr or task.default_lr, self.device)
         self.scheduler = task.make_scheduler(self.optimizer) if task.make_scheduler else None
-        self.scaler = precision.make_scaler()
+        self.scaler = precision.make_scaler(**LossScaleOptions.from_config(config).scaler_kwargs())
+        named = [(n, p) for n, p in self.autocast_model.unwrap().named_parameters() if p.requires_grad]
+        # Installs its DDP comm hook now: DDP takes hooks only before the first backward.
+        self.watch = RunWatch(config, self.model, named, self.scaler, run_log, ctx.rank, precision.name)
         self.stream = BatchStream(task.train_data, config.micro_batch_size(ctx.world_size), ctx.rank,
                                   ctx.world_size, config.seed, self.device, config.num_workers)
         self.step = 0  # optimizer steps attempted; skipped fp16 steps count
@@ -113,6 +118,7 @@ class Trainer:
             nn.utils.clip_grad_norm_(self.params, self.config.clip_grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        self.watch.after_update(self.step + 1)  # before zero_grad: forensics reads the grads
         self.optimizer.zero_grad(set_to_none=True)
         # Only fp16 can skip; reading the agreed flag is a host sync, so bf16/fp32 never do.
         if self.scheduler is not None and not (self.scaler.is_enabled() and self.scaler.last_step_skipped().item()):
@@ -126,7 +132,7 @@ class Trainer:
         total = all_reduce_(value.detach().clone().float())
         return total.item() / self.ctx.world_size
 
-    def log_record(self, loss: torch.Tensor, samples_per_s: float) -> dict[str, Any]:
+    def log_record(self, loss: torch.Tensor, samples_per_s: float, step_time: float = 0.0) -> dict[str, Any]:
         """Numbers for one logged step (collective: averages the loss over ranks)."""
         return {
             "step": self.step,
@@ -136,6 +142,7 @@ class Trainer:
             "loss_scale": self.scaler.get_scale() if self.scaler.is_enabled() else 1.0,
             "skipped_total": int(self.scaler.skipped_steps().item()),
             "samples_per_s": samples_per_s,
+            "step_time": step_time,
             "peak_mem_mb": peak_memory_mb(self.device),
         }
 
@@ -170,20 +177,28 @@ class Trainer:
         """Train for `max_steps` steps, logging every `log_every`; returns the summary record."""
         self.model.train()
         started = window_start = time.perf_counter()
-        window_samples = self.samples_seen
+        started_step = self.step
+        window_samples, window_steps = self.samples_seen, self.step
         loss = self.last_loss
+        self.run_log.start_progress(self.config.max_steps, self.step)
         while self.step < self.config.max_steps:
             loss = self.train_step()
+            self.run_log.advance()
             if self.step % self.config.log_every == 0 or self.step == self.config.max_steps:
                 now = time.perf_counter()
                 rate = (self.samples_seen - window_samples) / max(now - window_start, 1e-9)
-                self.run_log.metrics(self.log_record(loss, rate))
-                window_start, window_samples = now, self.samples_seen
+                step_time = (now - window_start) / max(self.step - window_steps, 1)
+                record = self.log_record(loss, rate, step_time)
+                self.run_log.metrics(record)
+                self.watch.on_log(record)
+                window_start, window_samples, window_steps = now, self.samples_seen, self.step
             if self.config.ckpt_every and self.step % self.config.ckpt_every == 0:
                 self._checkpoint_or_raise()
+        self.watch.finish(self.step)
         elapsed = time.perf_counter() - started
-        self._checkpoint_or_raise()  # the final one
-        summary = self.log_record(loss, self.samples_seen / max(elapsed, 1e-9))
+        self._checkpoint_or_raise()  # the final one; a halted run raised before reaching it
+        summary = self.log_record(loss, self.samples_seen / max(elapsed, 1e-9),
+                                  elapsed / max(self.step - started_step, 1))
         skipped = summary["skipped_total"]
         summary.update({
             "steps": self.step,
