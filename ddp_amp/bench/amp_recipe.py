@@ -42,6 +42,7 @@ def bf16_peak_tflops(device: torch.device) -> float | None:
 def _trial(ctx: DistContext, name: str, size: RecipeSize, batches: int, epochs: int) -> dict[str, Any]:
     """One trial in this (fresh) process: warm up, then time `epochs` x `batches` steps."""
     device = ctx.device
+    at_start = peak_memory_mb(device)  # on CPU: the interpreter and torch itself
     precision = Precision(name, device.type)  # type: ignore[arg-type]
     data = make_batches(size, batches, device)
     loop = HandLoop(seeded_model(size, device), precision, device, distributed=False)
@@ -59,7 +60,8 @@ def _trial(ctx: DistContext, name: str, size: RecipeSize, batches: int, epochs: 
     total = time.perf_counter() - started
     steps = epochs * batches
     result = {"precision": name, "total_s": total, "step_ms": 1e3 * total / steps, "steps": steps,
-              "peak_mem_mb": peak_memory_mb(device), "final_loss": float(loss.float().item())}
+              "peak_mem_mb": peak_memory_mb(device),
+              "peak_over_start_mb": peak_memory_mb(device) - at_start, "final_loss": float(loss.float().item())}
     peak = bf16_peak_tflops(device)
     achieved = size.flops_per_step() * steps / total / 1e12
     result["tflops"] = achieved

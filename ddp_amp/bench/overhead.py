@@ -5,7 +5,8 @@ Contenders run interleaved in blocks inside one run on the same ranks (stats.py)
 - `trainer`: ddp_amp's `Trainer.train_step` (AutocastModule under DDP, AgreedGradScaler);
 - on the tiny model also `always_agree`: the Trainer with the scaler's fast path off, so
   the found-inf all-reduce runs every step; `always_agree / trainer` is the cost of the
-  agreed overflow decision that the fast path saves.
+  agreed overflow decision that the fast path saves. The same pair is measured once more
+  with fp32 compute (`agreement_cost`), where a CPU's slow fp16 kernels cannot hide it.
 Both loops get the same model init, the same pre-made batches, the same precision, the
 same optimizer kernels and the same DDP options, so the ratio is the launcher's own cost.
 The Trainer's data stream is replaced by the same pre-made batches the hand loop uses.
@@ -87,10 +88,42 @@ def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: in
     return result
 
 
+def _agreement_cost(ctx: DistContext, blocks: int, steps: int) -> dict[str, Any]:
+    """Tiny model, loss scaling on but fp32 compute: the agreement's cost without slow fp16 kernels.
+
+    On a CPU without fp16 units a tiny fp16 step is ~4x slower than fp32 (FACTS.md), which
+    hides a ~0.2 ms collective in noise; with autocast off the step is as short as it gets
+    while the scaler still runs its found-inf check and (without the fast path) all-reduce.
+    Collective: every rank runs the same schedule.
+    """
+    precision = Precision("fp16", ctx.device.type)
+    batches = make_batches(TINY, N_BATCHES, ctx.device, seed=1 + ctx.rank)
+    fast = make_trainer(ctx, TINY, precision, batches)
+    always = make_trainer(ctx, TINY, precision, batches)
+    always.scaler.skip_when_reduced = False
+    for trainer in (fast, always):
+        trainer.autocast_model.enabled = False
+    contenders = [lambda: fast.train_step(), lambda: always.train_step()]
+    interleave(contenders, 1, 3, ctx.device)
+    # The steps are short: more and longer blocks for the same wall time.
+    times = interleave(contenders, 2 * blocks, 4 * steps, ctx.device)
+    return {"size": asdict(TINY), "compute": "fp32 with loss scaling (autocast off)", "ranks": ctx.world_size,
+            "blocks": 2 * blocks, "steps_per_block": 4 * steps,
+            "step_ms": {"fast_path": median_ms(times[0]), "always_agree": median_ms(times[1])},
+            "always_agree_over_fast_path": paired_ratio(times[0], times[1]),
+            "agreements_skipped": fast.scaler.agreements_skipped}
+
+
+def _measure_both(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: int,
+                  steps: int) -> dict[str, Any]:
+    """Collective: the recipe model, then the tiny model with the agreement's cost."""
+    return {"recipe_model": _measure(ctx, size, precision_name, blocks, steps, False),
+            "tiny_model": _measure(ctx, TINY, precision_name, blocks, steps, True),
+            "agreement_cost": _agreement_cost(ctx, blocks, steps)}
+
+
 def run(device: str, ranks: int, scale: float, precision: str, blocks: int, steps: int,
         threads: int = 0) -> dict[str, Any]:
     """The overhead on the (scaled) recipe model and on the tiny model, `ranks` processes."""
-    recipe = run_ranks(_measure, ranks, device, RecipeSize().scaled(scale), precision, blocks, steps,
-                       False, threads=threads)[0]
-    tiny = run_ranks(_measure, ranks, device, TINY, precision, blocks, steps, True, threads=threads)[0]
-    return {"recipe_model": recipe, "tiny_model": tiny}
+    return run_ranks(_measure_both, ranks, device, RecipeSize().scaled(scale), precision, blocks, steps,
+                     threads=threads)[0]
