@@ -22,19 +22,40 @@ from ddp_amp.errors import UsageError
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 # Compression hooks cast each bucket, all-reduce it in the small dtype and cast back. The
-# sum is the same tensor on every rank, so the scaler's fast path still holds.
-_COMM_HOOKS: dict[str, CommHook | None] = {
-    "fp32": None,  # DDP's built-in all-reduce
-    "fp16": default_hooks.fp16_compress_hook,
-    "bf16": default_hooks.bf16_compress_hook,
-}
+# sum is the same tensor on every rank, so the scaler's fast path still holds. torch's own
+# hooks serve NCCL; its bf16 hook refuses other backends, though gloo sums bf16 fine.
+_NCCL_HOOKS: dict[str, CommHook] = {"fp16": default_hooks.fp16_compress_hook,
+                                    "bf16": default_hooks.bf16_compress_hook}
+_COMM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def comm_hook(grad_comm_dtype: str) -> CommHook | None:
+def _cast_hook(dtype: torch.dtype) -> CommHook:
+    """A comm hook that averages each bucket in `dtype` (for backends other than NCCL)."""
+    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        group = state if state is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        # Divide before the sum so the small dtype holds the mean, not the larger total.
+        compressed = buffer.to(dtype).div_(dist.get_world_size(group))
+        future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+        def back_to_buffer(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            buffer.copy_(done.value()[0])
+            return buffer
+        return future.then(back_to_buffer)
+    # DDP checks the hook's annotations as objects; this module's are strings (PEP 563).
+    hook.__annotations__ = {"state": Any, "bucket": dist.GradBucket,
+                            "return": torch.futures.Future[torch.Tensor]}
+    return hook
+
+
+def comm_hook(grad_comm_dtype: str, backend: str = "gloo") -> CommHook | None:
     """The DDP comm hook for `--grad-comm-dtype`, or None for DDP's own fp32 all-reduce."""
-    if grad_comm_dtype not in _COMM_HOOKS:
-        raise UsageError("--grad-comm-dtype", grad_comm_dtype, "one of " + ", ".join(_COMM_HOOKS), "")
-    return _COMM_HOOKS[grad_comm_dtype]
+    if grad_comm_dtype not in _COMM_DTYPES:
+        raise UsageError("--grad-comm-dtype", grad_comm_dtype, "one of " + ", ".join(_COMM_DTYPES), "")
+    dtype = _COMM_DTYPES[grad_comm_dtype]
+    if dtype is None:
+        return None
+    return _NCCL_HOOKS[grad_comm_dtype] if backend == "nccl" else _cast_hook(dtype)
 
 
 def wrap_model(model: nn.Module, device: torch.device, device_type: str, dtype: torch.dtype,
@@ -46,7 +67,7 @@ def wrap_model(model: nn.Module, device: torch.device, device_type: str, dtype: 
     `bucket_view`: gradients as views into DDP's buckets save one copy per step and the
     memory of a second set of gradients; valid because nobody keeps `.grad` across steps.
     """
-    hook = comm_hook(grad_comm_dtype)
+    hook = comm_hook(grad_comm_dtype, dist.get_backend() if distributed else "gloo")
     inner = torch.compile(model) if compile_model else model
     wrapped = AutocastModule(inner, device_type, dtype, enabled=autocast)
     if not distributed:
