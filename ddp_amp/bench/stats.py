@@ -1,8 +1,9 @@
 """Interleaved timing and paired ratios: how two contenders are compared on a noisy machine.
 
 Per-step times of the same 2-rank job vary about +-15% from run to run here (FACTS.md), so
-contenders run in alternating blocks of steps inside one run (A B A B ...), each block
-timed on its own, and each A block is paired with the B block right after it. The median of
+contenders run in alternating blocks of steps inside one run (A B, B A, A B, ...: the order
+flips every round), each block timed on its own, and each round's A block is paired with
+its B block. The median of
 the paired ratios, with its quartiles and extremes, is the figure: slow drift of the machine
 hits both halves of a pair alike.
 """
@@ -30,8 +31,12 @@ def interleave(contenders: Sequence[Callable[[], None]], blocks: int, steps: int
     outside the timed region): call it on every rank with the same arguments.
     """
     times: list[list[float]] = [[] for _ in contenders]
-    for _ in range(blocks):
-        for index, step in enumerate(contenders):
+    order = list(range(len(contenders)))
+    for block in range(blocks):
+        # Every other round runs the contenders in reverse (A B, B A, ...), so a position
+        # effect (caches, the peer rank arriving late after the barrier) hits both alike.
+        for index in order if block % 2 == 0 else order[::-1]:
+            step = contenders[index]
             _barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
