@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue as queue_module
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -77,14 +79,23 @@ def run_ranks(fn: Callable[..., Any], world_size: int, device: str, *args: Any,
         proc.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in procs:
-            rank, status, value = queue.get(timeout=timeout)
+        while len(results) < world_size and not errors:
+            try:
+                rank, status, value = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                # A rank killed by a signal never reports: notice it instead of waiting out the timeout.
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+                if dead:
+                    errors.append(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}")
+                elif time.monotonic() > deadline:
+                    errors.append(f"no result after {timeout:.0f}s")
+                continue
             if status == "ok":
                 results[rank] = value
             else:
                 errors.append(f"rank {rank}: {value}")
-                break
     finally:
         for proc in procs:
             proc.join(timeout=5 if errors else 60)
