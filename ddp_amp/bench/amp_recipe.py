@@ -18,7 +18,8 @@ from ddp_amp.bench.procs import run_fresh
 from ddp_amp.bench.recipe import HandLoop, RecipeSize, make_batches, seeded_model, sync
 from ddp_amp.dist import DistContext
 from ddp_amp.metrics import peak_memory_mb
-from ddp_amp.precision import Precision
+from ddp_amp.errors import UsageError
+from ddp_amp.precision import resolve_precision
 
 TRIALS = ("fp32", "fp16", "bf16")
 WARMUP_STEPS = 3
@@ -43,7 +44,10 @@ def _trial(ctx: DistContext, name: str, size: RecipeSize, batches: int, epochs: 
     """One trial in this (fresh) process: warm up, then time `epochs` x `batches` steps."""
     device = ctx.device
     at_start = peak_memory_mb(device)  # on CPU: the interpreter and torch itself
-    precision = Precision(name, device.type)  # type: ignore[arg-type]
+    try:
+        precision = resolve_precision(name, device)
+    except UsageError as error:  # e.g. bf16 on a GPU without bf16 units: the other trials still run
+        return {"precision": name, "skipped": str(error)}
     data = make_batches(size, batches, device)
     loop = HandLoop(seeded_model(size, device), precision, device, distributed=False)
     for step in range(WARMUP_STEPS):  # first-call costs (allocator, kernels) are not the steady state
@@ -74,9 +78,10 @@ def run(device: str, scale: float, batches: int = 50, epochs: int = 3,
     """Run every trial in its own process; add each trial's speed-up over fp32."""
     size = RecipeSize().scaled(scale)
     rows = [run_fresh(_trial, device, name, size, batches, epochs, threads=threads) for name in trials]
-    base = next((row["total_s"] for row in rows if row["precision"] == "fp32"), None)
+    base = next((row["total_s"] for row in rows if row["precision"] == "fp32" and "total_s" in row), None)
     for row in rows:
-        row["speedup_vs_fp32"] = base / row["total_s"] if base else None
+        if "total_s" in row:
+            row["speedup_vs_fp32"] = base / row["total_s"] if base else None
     memory_kind = "torch.cuda.max_memory_allocated" if device == "cuda" else "process peak RSS"
     return {"size": asdict(size), "scale": scale, "batches": batches, "epochs": epochs,
             "memory": memory_kind, "trials": rows}

@@ -37,7 +37,8 @@ def recipe_table(section: dict[str, Any]) -> str:
              f"{size['batch']}, {section['batches']} batches x {section['epochs']} epochs, "
              f"scale {section['scale']:g}; memory = {section['memory']}")
     rows = [[t["precision"], t["total_s"], t["step_ms"], t["peak_mem_mb"], t["peak_over_start_mb"],
-             t["speedup_vs_fp32"], t["tflops"], t["mfu_vs_bf16_peak"]] for t in section["trials"]]
+             t["speedup_vs_fp32"], t["tflops"], t["mfu_vs_bf16_peak"]] if "total_s" in t else
+            [t["precision"], "skipped: " + t["skipped"], "", "", "", "", "", ""] for t in section["trials"]]
     return title + "\n" + grid(["trial", "total_s", "step_ms", "peak_mem_mb", "over_start_mb",
                                 "speedup_vs_fp32", "TFLOP/s", "MFU_vs_bf16_peak"], rows)
 
