@@ -82,8 +82,12 @@ def resolve_backend(choice: BackendChoice, device: torch.device) -> str:
 
 def _open_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     is_server = env.rank == 0 and not env.agent_hosts_store
+    # Every rank of our own store must check in (wait_for_workers on clients too): a client
+    # that does not never bumps the store's worker count, and the server waits for it until
+    # the timeout (seen as a hang of every 2-rank test). Under torchrun's agent store, as before.
+    own_store = not env.agent_hosts_store
     store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_server,
-                          timeout=timeout, wait_for_workers=is_server)
+                          timeout=timeout, wait_for_workers=own_store)
     # After a torchrun restart the agent's store still holds the keys of the failed
     # attempt; re-forming gloo on them fails or hangs (FACTS.md: 3 of 8). A fresh prefix
     # per attempt gives each attempt clean keys (8 of 8).

@@ -1,7 +1,7 @@
 """The scaler's fast path: no found-inf all-reduce in the Trainer's normal step, agreement otherwise.
 
-Two real gloo ranks (through ddp_amp.bench.procs, whose env:// rendezvous is the one that
-works in this sandbox). fp16 on a CPU is slow, so the model is tiny and the steps few.
+Two real gloo ranks (tests/multiproc.py). fp16 on a CPU is slow, so the model is tiny and
+the steps few.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from ddp_amp.bench.overhead import make_trainer
-from ddp_amp.bench.procs import run_ranks
 from ddp_amp.bench.recipe import RecipeSize, make_batches
 from ddp_amp.config import parse_config
 from ddp_amp.dist import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.precision import Precision
+from tests.multiproc import run_ranks
 
 SIZE = RecipeSize(width=16, batch=8, layers=2)
 
@@ -65,7 +65,7 @@ def _fast_path_rank(ctx: DistContext) -> dict[str, Any]:
 
 
 def test_trainer_skips_the_collective_and_modified_grads_still_agree() -> None:
-    rank0, rank1 = run_ranks(_fast_path_rank, 2, "cpu", threads=1, timeout=240)
+    rank0, rank1 = run_ranks(_fast_path_rank, 2, timeout=240)
     for label in ("plain", "bf16_comm_static"):
         # (1) the Trainer's normal step proves the reduction and skips the all-reduce
         assert rank0[label]["skipped_collectives"] == 3 == rank1[label]["skipped_collectives"], label

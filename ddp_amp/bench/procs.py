@@ -14,10 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
 
 # Launcher variables a parent run may carry (torchrun, SLURM): the children form their own group.
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
@@ -44,15 +41,6 @@ def _child(queue: Any, rank: int, world_size: int, port: int, device: str, threa
     from ddp_amp.env import detect_env
 
     try:
-        if world_size > 1:
-            # Join through torch's own env:// rendezvous first (init_distributed is idempotent
-            # and then only picks the device): on this sandbox the explicit-store path of
-            # ddp_amp.dist hangs in TCPStore's wait-for-workers (seen 08:00 UTC, gVisor).
-            backend = "nccl" if device == "cuda" else "gloo"
-            if device == "cuda":
-                torch.cuda.set_device(rank % torch.cuda.device_count())
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=300))
         ctx = init_distributed(detect_env(os.environ), device=device, timeout_s=300)  # type: ignore[arg-type]
         try:
             result = fn(ctx, *args)
