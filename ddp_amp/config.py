@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from ddp_amp.errors import UsageError
+from ddp_amp.lossscale import LossScaleOptions
 from ddp_amp.precision import PRECISION_CHOICES
 
 
@@ -55,6 +56,36 @@ class TrainConfig:
     num_workers: int = _opt(0, "DataLoader worker processes per rank")
     log_every: int = _opt(20, "print and record metrics every N optimizer steps")
     debug: bool = _opt(False, "show full tracebacks on errors")
+    # --- checkpoints (issue 3: ddp_amp/checkpoint/) ---
+    ckpt_every: int = _opt(0, "also save a checkpoint every N optimizer steps; 0 = only the "
+                           "final one at the end of training")
+    keep_last: int = _opt(3, "keep the newest K checkpoints; older ones are deleted only after "
+                          "a new one is committed; 0 keeps all")
+    resume: str = _opt("auto", "auto (newest complete checkpoint in <run-dir>/checkpoints, if "
+                       "any), none (start fresh), or PATH of a checkpoint directory")
+    # --- watching a run (issue 6): fp16 loss-scale safety and the rank-consistency guard ---
+    loss_scale_init: float = _opt(65536.0, "fp16: the loss scale to start from")
+    loss_scale_growth_interval: int = _opt(2000, "fp16: clean steps in a row before the scale doubles")
+    loss_scale_backoff: float = _opt(0.5, "fp16: factor the scale is multiplied by on overflow (0 < f < 1)")
+    loss_scale_min: float = _opt(1.0, "fp16: floor the scale never backs off below; overflows at the "
+                                 "floor stop the run (0 = no floor)")
+    loss_scale_hysteresis: int = _opt(1, "fp16: consecutive overflowing steps tolerated before the "
+                                      "scale backs off (DeepSpeed's hysteresis); they are still skipped")
+    max_consecutive_skips: int = _opt(100, "fp16: stop with an error after this many skipped steps "
+                                      "in a row (0 = never)")
+    check_sync_every: int = _opt(0, "every N steps compare a fingerprint of parameters, scaler state "
+                                 "and step across ranks and stop if they differ (0 = only after a resume)")
+
+    # --- performance fast paths (issue 5: bench) ---
+    compile: bool = _opt(False, "torch.compile the model (inside the autocast wrapper, under DDP); "
+                         "the first steps pay the compile time")
+    grad_comm_dtype: str = _opt("fp32", "dtype DDP all-reduces gradients in: fp32, or bf16/fp16 "
+                                "compression (half the traffic, less precise sums)", ("fp32", "bf16", "fp16"))
+    static_graph: bool = _opt(False, "tell DDP the graph is the same every step (same parameters "
+                              "used, no data-dependent control flow); lets it skip per-step work")
+    optimizer_impl: str = _opt("auto", "optimizer kernels for adamw/sgd: auto (fused where "
+                               "available, else foreach), fused, foreach, forloop",
+                               ("auto", "fused", "foreach", "forloop"))
     # --- evaluation (issue 7: built-in tasks and parity) ---
     eval_every: int = _opt(50, "run the task's metric on its held-out data before the first step "
                            "and every N optimizer steps (all ranks, under autocast); 0 = only "
@@ -75,6 +106,12 @@ class TrainConfig:
             raise UsageError("--eval-every", self.eval_every, "an integer >= 0", "0 evaluates only at the end")
         if self.num_workers < 0:
             raise UsageError("--num-workers", self.num_workers, "an integer >= 0", "0 loads data in the training process")
+        for name in ("ckpt_every", "keep_last"):  # checkpoints (issue 3)
+            if getattr(self, name) < 0:
+                raise UsageError(_flag(name), getattr(self, name), "an integer >= 0", "0 turns it off")
+        LossScaleOptions.from_config(self).validate()
+        if self.check_sync_every < 0:
+            raise UsageError("--check-sync-every", self.check_sync_every, "an integer >= 0", "0 = off")
         for item in self.task_opt:
             if "=" not in item:
                 raise UsageError("--task-opt", item, "KEY=VALUE", "e.g. --task-opt hidden=256")

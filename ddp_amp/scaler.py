@@ -10,14 +10,28 @@ both of GradScaler's paths:
 - `unscale_` (plain and foreach optimizers, and any explicit unscale before clipping);
 - `_check_inf_per_device` (fused optimizers, where `step` hands the flag to the optimizer
   as a device tensor). The agreed flag stays on the device: no `.item()` on this path.
+
+Fast path (skip the all-reduce when it is provably redundant): the caller may declare, on
+every rank right after a synced DDP backward, which parameters' gradients came out of
+DDP's all-reduce (`mark_reduced`). Those gradients are then identical on every rank, so a
+local inf/NaN check gives the same answer everywhere: a non-finite local gradient makes the
+reduced sum non-finite on every rank, and every rank then checks the same tensor. At
+unscale time the scaler verifies the declaration: every gradient the optimizer will step
+must be the very tensor that was marked, with an unchanged version counter (`_version`,
+bumped by every in-place write; DDP's bucket views share one counter per bucket, so any
+write to any gradient of a bucket counts). If anything changed, it falls back to the
+all-reduce. The declaration must be made (or not) on all ranks alike, as the Trainer does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ddp_amp.lossscale import OverflowCounters, next_scale
 
 
 class AgreedGradScaler(torch.amp.GradScaler):
@@ -31,15 +45,25 @@ class AgreedGradScaler(torch.amp.GradScaler):
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True,
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None,
+                 hysteresis: int = 1, min_scale: float = 0.0) -> None:
         super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval,
                          enabled=enabled)
         self.process_group = process_group
+        # Loss-scale safety (ddp_amp/lossscale.py). hysteresis=1, min_scale=0 is exactly
+        # GradScaler's own update rule.
+        self.hysteresis = hysteresis
+        self.min_scale = min_scale
+        self.overflow_counters = OverflowCounters()
         # Device tensors, read only when someone asks (logging steps): reading them is a
         # device-to-host sync on CUDA.
         self._last_skipped: torch.Tensor | None = None
         self._skipped_total: torch.Tensor | None = None
+        # --- fast path: skip the agreement when DDP provably reduced every gradient ---
+        self.skip_when_reduced = True  # False: always all-reduce (for measuring its cost)
+        self.agreements_skipped = 0  # collectives saved by the fast path (host int, no sync)
+        self._reduced: dict[int, tuple[torch.Tensor, int]] | None = None
 
     def _has_peers(self) -> bool:
         return dist.is_initialized() and dist.get_world_size(self.process_group) > 1
@@ -51,17 +75,49 @@ class AgreedGradScaler(torch.amp.GradScaler):
         for flag in found_inf_per_device.values():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
 
+    def mark_reduced(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Declare that these parameters' gradients were just produced by DDP's all-reduce.
+
+        Call on every rank, right after a backward in which DDP synchronised gradients
+        (not inside `no_sync`), before anything else touches them. The next unscale skips
+        the found-inf all-reduce if every gradient it sees is still exactly what was marked.
+        """
+        self._reduced = {id(p): (p.grad, p.grad._version) for p in params if p.grad is not None}
+
+    def _proven_reduced(self, optimizer: torch.optim.Optimizer) -> bool:
+        """True if every gradient of `optimizer` is a marked, unmodified DDP-reduced tensor."""
+        if not self.skip_when_reduced or not self._reduced:
+            return False
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                mark = self._reduced.get(id(param))
+                if mark is None or mark[0] is not param.grad or mark[1] != param.grad._version:
+                    return False
+        return True
+
+    def _agree_unless_proven(self, proven: bool, found_inf_per_device: dict[Any, torch.Tensor]) -> None:
+        if proven and self._has_peers():
+            self.agreements_skipped += 1
+        else:
+            self._agree(found_inf_per_device)
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        # The proof is checked before unscaling, because unscaling writes the gradients.
+        proven = self._enabled and self._proven_reduced(optimizer)
         super().unscale_(optimizer)
         if self._enabled:
-            self._agree(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
+            self._agree_unless_proven(proven, self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        proven = self._proven_reduced(optimizer)
         found_inf_per_device = super()._check_inf_per_device(optimizer)
-        self._agree(found_inf_per_device)
+        self._agree_unless_proven(proven, found_inf_per_device)
         return found_inf_per_device
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        self._reduced = None  # a declaration holds for one step only
         if self._enabled and self._scale is not None:
             flags = [flag.to(self._scale.device, non_blocking=True)
                      for state in self._per_optimizer_states.values()
@@ -70,7 +126,26 @@ class AgreedGradScaler(torch.amp.GradScaler):
                 skipped = (torch.stack(flags).sum() > 0).to(torch.int64)
                 self._last_skipped = skipped
                 self._skipped_total = skipped if self._skipped_total is None else self._skipped_total + skipped
+                streak = self.overflow_counters.record(skipped, self._scale, self.min_scale)
+                if new_scale is None and self._growth_tracker is not None and (
+                        self.hysteresis > 1 or self.min_scale > 0):
+                    new_scale, tracker = next_scale(
+                        self._scale, self._growth_tracker, streak,
+                        self._growth_factor, self._backoff_factor, self._growth_interval,
+                        self.hysteresis, self.min_scale)
+                    self._growth_tracker.copy_(tracker)
         super().update(new_scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self._enabled:
+            state.update(self.overflow_counters.state_dict())
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self._enabled:
+            self.overflow_counters.load_state_dict(state_dict)
 
     def last_step_skipped(self) -> torch.Tensor:
         """0-d int tensor on the scaler's device: 1 if the last `update()` followed a skip."""
@@ -83,3 +158,8 @@ class AgreedGradScaler(torch.amp.GradScaler):
         if self._skipped_total is None:
             return torch.zeros((), dtype=torch.int64)
         return self._skipped_total
+
+    def restore_skipped_steps(self, count: int) -> None:
+        """Set the skipped-step counter, as a resumed run continues the count it saved."""
+        device = self._scale.device if self._scale is not None else torch.device(self._device)
+        self._skipped_total = torch.tensor(count, dtype=torch.int64, device=device)
