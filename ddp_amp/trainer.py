@@ -200,8 +200,9 @@ class Trainer:
         window_samples, window_steps = self.samples_seen, self.step
         loss = self.last_loss
         every = self.config.eval_every
-        # Evaluate before the first step too, so the log shows where learning started.
-        last_eval = self.eval_record() if every and self.step % every == 0 else {}
+        # Evaluate before the first step too, so the log shows where learning started (not
+        # after a resume: the interrupted run logged the metric at that step if it was due).
+        last_eval = self.eval_record() if every and self.step == 0 else {}
         self.run_log.start_progress(self.config.max_steps, self.step)
         while self.step < self.config.max_steps:
             loss = self.train_step()

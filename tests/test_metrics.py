@@ -96,7 +96,7 @@ def _run_in_terminal(command: list[str], timeout: float = 120) -> str:
 
 def test_two_rank_torchrun_on_a_terminal_shows_one_progress_bar(tmp_path: Path) -> None:
     output = _run_in_terminal([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc_per_node=2", "-m", "ddp_amp.train", "--device", "cpu",
+                               "--nproc_per_node=2", "-m", "ddp_amp.train", "--task", "mlp", "--device", "cpu",
                                "--precision", "fp16", "--max-steps", "12", "--log-every", "4",
                                "--batch-size", "16", "--task-opt", "hidden=16",
                                "--task-opt", "samples=256", "--run-dir", str(tmp_path)])
@@ -112,8 +112,8 @@ def test_two_rank_torchrun_on_a_terminal_shows_one_progress_bar(tmp_path: Path) 
 
 
 def test_a_restarted_run_replaces_its_metrics_instead_of_appending_twice(tmp_path: Path) -> None:
-    config = TrainConfig(task_opt=("hidden=16", "samples=256"), max_steps=10, log_every=5, batch_size=16,
-                         device="cpu", precision="fp32", run_dir=str(tmp_path))
+    config = TrainConfig(task="mlp", task_opt=("hidden=16", "samples=256"), max_steps=10, log_every=5, batch_size=16,
+                         eval_every=0, device="cpu", precision="fp32", run_dir=str(tmp_path))
     for _ in range(2):  # a requeue with no checkpoint starts again from step 0
         train(config, init_distributed(detect_env({}), device="cpu"))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

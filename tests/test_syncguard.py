@@ -21,7 +21,7 @@ from tests.multiproc import run_ranks
 
 
 def _train_then_perturb(ctx: DistContext) -> dict[str, object]:
-    config = TrainConfig(max_steps=4, batch_size=16, log_every=100, device="cpu", precision="fp16",
+    config = TrainConfig(task="mlp", max_steps=4, batch_size=16, log_every=100, device="cpu", precision="fp16",
                          check_sync_every=2, task_opt=("hidden=16", "samples=256"))
     seed_everything(config.seed)
     task = load_task("mlp", config)
