@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The runs behind docs/parity.md: each task x seed x precision with the CLI, then the table.
-# Usage: bash docs/parity.sh [OUT_DIR]   (repository root, venv active; CPU: 20-60 min on 2 busy
+# Usage: [LM_STEPS=400] bash docs/parity.sh [OUT_DIR]   (repository root, venv active; CPU: 20-60 min on 2 busy
 # cores, nearly all of it lm in bf16/fp16). Finished runs are kept and skipped on a rerun.
 set -euo pipefail
 out=${1:-runs/parity}
