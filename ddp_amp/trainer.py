@@ -30,7 +30,7 @@ from ddp_amp import checkpoint
 from ddp_amp.autocast import AutocastModule, unwrap_model
 from ddp_amp.config import TrainConfig
 from ddp_amp.data import BatchStream, to_device
-from ddp_amp.ddp_setup import grads_were_synced, optimizer_kwargs, reduced_params, wrap_model
+from ddp_amp.ddp_setup import comm_hook, grads_were_synced, optimizer_kwargs, reduced_params, wrap_model
 from ddp_amp.dist import DistContext, all_reduce_
 from ddp_amp.lossscale import LossScaleOptions
 from ddp_amp.metrics import RunLog, peak_memory_mb
@@ -76,8 +76,13 @@ class Trainer:
         self.scheduler = task.make_scheduler(self.optimizer) if task.make_scheduler else None
         self.scaler = precision.make_scaler(**LossScaleOptions.from_config(config).scaler_kwargs())
         named = [(n, p) for n, p in self.autocast_model.unwrap().named_parameters() if p.requires_grad]
-        # Installs its DDP comm hook now: DDP takes hooks only before the first backward.
-        self.watch = RunWatch(config, self.model, named, self.scaler, run_log, ctx.rank, precision.name)
+        # DDP takes one comm hook, before the first backward: the overflow probe (fp16) wraps
+        # the --grad-comm-dtype hook; without a probe that hook is registered on its own.
+        hook = comm_hook(config.grad_comm_dtype, ctx.backend or "gloo") if isinstance(self.model, DDP) else None
+        self.watch = RunWatch(config, self.model, named, self.scaler, run_log, ctx.rank, precision.name,
+                              comm_hook=hook)
+        if hook is not None and self.watch.probe is None:
+            self.model.register_comm_hook(state=None, hook=hook)
         self.stream = BatchStream(task.train_data, config.micro_batch_size(ctx.world_size), ctx.rank,
                                   ctx.world_size, config.seed, self.device, config.num_workers)
         self.step = 0  # optimizer steps attempted; skipped fp16 steps count
@@ -93,7 +98,7 @@ class Trainer:
         return wrap_model(model, self.device, self.precision.device_type, self.precision.dtype,
                           self.precision.autocast_enabled, self.ctx.has_group,
                           compile_model=self.config.compile, static_graph=self.config.static_graph,
-                          grad_comm_dtype=self.config.grad_comm_dtype)
+                          grad_comm_dtype=self.config.grad_comm_dtype, register_comm_hook=False)
 
     @property
     def autocast_model(self) -> AutocastModule:
