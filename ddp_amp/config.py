@@ -53,6 +53,14 @@ class TrainConfig:
     num_workers: int = _opt(0, "DataLoader worker processes per rank")
     log_every: int = _opt(20, "print and record metrics every N optimizer steps")
     debug: bool = _opt(False, "show full tracebacks on errors")
+    # --- preemption (ddp_amp/preempt.py): signal -> agreed stop -> checkpoint -> requeue ---
+    preempt_signal: str = _opt("USR1,TERM", "signals that mean 'checkpoint and stop at the next "
+                               "agreed step' (comma list of USR1, USR2, TERM, INT, HUP, QUIT, or "
+                               "none); match SLURM's --signal and torchrun's --signals-to-handle")
+    preempt_check_s: float = _opt(2.0, "seconds of training between the cross-rank checks of the "
+                                  "preemption flag (each check is one tiny all-reduce)")
+    preempt_requeue: str = _opt("auto", "after a preemption stop: auto (rank 0 runs `scontrol "
+                                "requeue $SLURM_JOB_ID` under SLURM) or never", ("auto", "never"))
 
     def __post_init__(self) -> None:
         positive = {"max_steps": self.max_steps, "batch_size": self.batch_size,

@@ -14,6 +14,7 @@ Then, in this order and for these reasons:
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from contextlib import nullcontext
@@ -31,6 +32,7 @@ from ddp_amp.data import BatchStream, to_device
 from ddp_amp.dist import DistContext, all_reduce_
 from ddp_amp.metrics import RunLog, peak_memory_mb
 from ddp_amp.precision import Precision
+from ddp_amp.preempt import PreemptionWatch, parse_signals, stop_for_preemption, worker_ignores
 from ddp_amp.tasks import Task
 
 
@@ -68,8 +70,11 @@ class Trainer:
                                         config.lr or task.default_lr, self.device)
         self.scheduler = task.make_scheduler(self.optimizer) if task.make_scheduler else None
         self.scaler = precision.make_scaler()
+        signums = parse_signals(config.preempt_signal)
+        self.preemption = PreemptionWatch(signums, self.device, config.preempt_check_s, ctx.has_group)
         self.stream = BatchStream(task.train_data, config.micro_batch_size(ctx.world_size), ctx.rank,
-                                  ctx.world_size, config.seed, self.device, config.num_workers)
+                                  ctx.world_size, config.seed, self.device, config.num_workers,
+                                  worker_init_fn=worker_ignores(signums))
         self.step = 0  # optimizer steps attempted; skipped fp16 steps count
         self.samples_seen = 0
         self.last_loss = torch.zeros((), device=self.device)
@@ -166,6 +171,7 @@ class Trainer:
         started = window_start = time.perf_counter()
         window_samples = self.samples_seen
         loss = self.last_loss
+        self.preemption.install()  # signal -> flag only; restored when fit returns
         while self.step < self.config.max_steps:
             loss = self.train_step()
             if self.step % self.config.log_every == 0 or self.step == self.config.max_steps:
@@ -173,6 +179,9 @@ class Trainer:
                 rate = (self.samples_seen - window_samples) / max(now - window_start, 1e-9)
                 self.run_log.metrics(self.log_record(loss, rate))
                 window_start, window_samples = now, self.samples_seen
+            if self.step < self.config.max_steps and self.preemption.should_stop(self.step):
+                return self.stop_for_preemption()
+        self.preemption.restore()
         elapsed = time.perf_counter() - started
         summary = self.log_record(loss, self.samples_seen / max(elapsed, 1e-9))
         skipped = summary["skipped_total"]
@@ -186,3 +195,10 @@ class Trainer:
             **self.evaluate(),
         })
         return summary
+
+    def stop_for_preemption(self) -> dict[str, Any]:
+        """Checkpoint and requeue after an agreed preemption signal; the stop record (collective)."""
+        self.preemption.restore()
+        return stop_for_preemption(getattr(self, "save_checkpoint", None), self.ctx.is_main,
+                                   self.config.preempt_requeue == "auto", self.step,
+                                   self.preemption.stopped_by, os.environ, self.run_log.warn)
