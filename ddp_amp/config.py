@@ -67,14 +67,14 @@ class TrainConfig:
                     "grad_accum": self.grad_accum, "log_every": self.log_every}
         for name, value in positive.items():
             if value < 1:
-                raise UsageError(_flag(name), value, "an integer >= 1", "")
+                raise UsageError(_flag(name), value, "an integer >= 1", f"e.g. {_flag(name)} 1")
         for name in ("lr", "clip_grad_norm"):
             if getattr(self, name) < 0:
-                raise UsageError(_flag(name), getattr(self, name), "a number >= 0", "")
+                raise UsageError(_flag(name), getattr(self, name), "a number >= 0", "0 turns it off")
         if self.dist_timeout <= 0:
-            raise UsageError("--dist-timeout", self.dist_timeout, "seconds > 0", "")
+            raise UsageError("--dist-timeout", self.dist_timeout, "seconds > 0", "e.g. --dist-timeout 600")
         if self.num_workers < 0:
-            raise UsageError("--num-workers", self.num_workers, "an integer >= 0", "")
+            raise UsageError("--num-workers", self.num_workers, "an integer >= 0", "0 loads data in the training process")
         for item in self.task_opt:
             if "=" not in item:
                 raise UsageError("--task-opt", item, "KEY=VALUE", "e.g. --task-opt hidden=256")

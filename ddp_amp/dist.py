@@ -58,7 +58,7 @@ def resolve_device(choice: DeviceChoice, env: DistEnv, backend: BackendChoice = 
     if choice == "cpu":
         return torch.device("cpu")
     if choice != "cuda":
-        raise UsageError("--device", choice, "one of auto, cuda, cpu", "")
+        raise UsageError("--device", choice, "one of auto, cuda, cpu", "auto picks cuda when a GPU is visible")
     if not torch.cuda.is_available():
         raise UsageError("--device", choice, "a machine with a CUDA GPU",
                          "use --device cpu or --device auto")
@@ -82,8 +82,10 @@ def resolve_backend(choice: BackendChoice, device: torch.device) -> str:
 
 def _open_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     is_server = env.rank == 0 and not env.agent_hosts_store
+    # Every rank passes wait_for_workers=True: that is what registers a client with the
+    # server's worker count (the server alone then blocks until all have joined).
     store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_server,
-                          timeout=timeout, wait_for_workers=is_server)
+                          timeout=timeout, wait_for_workers=True)
     # After a torchrun restart the agent's store still holds the keys of the failed
     # attempt; re-forming gloo on them fails or hangs (FACTS.md: 3 of 8). A fresh prefix
     # per attempt gives each attempt clean keys (8 of 8).

@@ -115,7 +115,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
         raise UsageError("SLURM_JOB_NODELIST", nodelist, "a SLURM hostlist like node[01-04]",
                          "check the job's node list with `scontrol show hostnames`") from None
     if not hosts:
-        raise UsageError("SLURM_JOB_NODELIST", nodelist, "at least one host", "")
+        raise UsageError("SLURM_JOB_NODELIST", nodelist, "at least one host", "check `scontrol show hostnames`")
     return hosts
 
 

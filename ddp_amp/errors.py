@@ -9,12 +9,9 @@ class UsageError(Exception):
     The CLI prints it as one line and exits with code 2; library callers can catch it.
     """
 
-    def __init__(self, what: str, value: object, expected: str, hint: str = "") -> None:
+    def __init__(self, what: str, value: object, expected: str, hint: str) -> None:
         self.what = what
         self.value = value
         self.expected = expected
         self.hint = hint
-        message = f"{what}={value!r}: expected {expected}"
-        if hint:
-            message += f" (hint: {hint})"
-        super().__init__(message)
+        super().__init__(f"{what}={value!r}: expected {expected} (hint: {hint})")

@@ -44,11 +44,11 @@ def train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     precision = resolve_precision(config.precision, ctx.device)
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config, ctx.env)
     config.micro_batch_size(ctx.world_size)  # fail on a bad batch size before any work
+    seed_everything(config.seed)  # same model init on every rank
+    task = load_task(config.task, config)  # bad tasks fail before anything is written
+    seed_everything(config.seed + ctx.rank)  # per-rank dropout and augmentation
     run_log = make_run_log(ctx.rank, run_dir)
     try:
-        seed_everything(config.seed)  # same model init on every rank
-        task = load_task(config.task, config)
-        seed_everything(config.seed + ctx.rank)  # per-rank dropout and augmentation
         trainer = Trainer(config, task, ctx, precision, run_log)
         run_log.write_json("config.json", {"config": config.to_dict(), "env": vars(ctx.env),
                                            "device": str(ctx.device), "backend": ctx.backend,

@@ -51,16 +51,19 @@ def _check_task(spec: str, task: object) -> Task:
         raise UsageError("--task", spec, f"a function returning ddp_amp.Task, got {type(task).__name__}",
                          "return ddp_amp.Task(model=..., train_data=..., loss_fn=...)")
     if not isinstance(task.model, nn.Module):
-        raise UsageError("--task", spec, f"Task.model to be a torch.nn.Module, got {type(task.model).__name__}", "")
+        raise UsageError("--task", spec, f"Task.model to be a torch.nn.Module, got {type(task.model).__name__}",
+                         "build the model in the task function and pass the module itself")
     for name in ("train_data", "eval_data"):
         data = getattr(task, name)
         if data is not None and not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
             raise UsageError("--task", spec, f"Task.{name} to be a map-style Dataset "
-                             f"(__getitem__ and __len__), got {type(data).__name__}", "")
+                             f"(__getitem__ and __len__), got {type(data).__name__}",
+                             "wrap tensors in torch.utils.data.TensorDataset")
     if not callable(task.loss_fn):
-        raise UsageError("--task", spec, "Task.loss_fn to be callable(output, target) -> Tensor", "")
+        raise UsageError("--task", spec, "Task.loss_fn to be callable(output, target) -> Tensor",
+                         "e.g. loss_fn=torch.nn.functional.cross_entropy")
     if len(task.train_data) == 0:  # type: ignore[arg-type]
-        raise UsageError("--task", spec, "a non-empty Task.train_data", "")
+        raise UsageError("--task", spec, "a non-empty Task.train_data", "check the dataset's path and size")
     return task
 
 

@@ -36,15 +36,15 @@ def make_model(in_size: int, hidden: int, out_size: int, layers: int) -> nn.Sequ
 def read_sizes(options: dict[str, str]) -> dict[str, int]:
     unknown = set(options) - set(DEFAULTS)
     if unknown:
-        raise UsageError("--task-opt", sorted(unknown)[0], "one of " + ", ".join(DEFAULTS), "")
+        raise UsageError("--task-opt", sorted(unknown)[0], "one of " + ", ".join(DEFAULTS), "e.g. --task-opt hidden=256")
     sizes = dict(DEFAULTS)
     for key, raw in options.items():
         try:
             sizes[key] = int(raw)
         except ValueError:
-            raise UsageError(f"--task-opt {key}", raw, "an integer", "") from None
+            raise UsageError(f"--task-opt {key}", raw, "an integer", f"e.g. --task-opt {key}={DEFAULTS[key]}") from None
         if sizes[key] < 1:
-            raise UsageError(f"--task-opt {key}", raw, "an integer >= 1", "")
+            raise UsageError(f"--task-opt {key}", raw, "an integer >= 1", f"e.g. --task-opt {key}={DEFAULTS[key]}")
     return sizes
 
 

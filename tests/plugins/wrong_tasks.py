@@ -1,0 +1,17 @@
+"""Task functions that break the contract, for the CLI's error messages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ddp_amp.tasks import Task
+
+
+def returns_a_model(config: Any) -> nn.Module:
+    return nn.Linear(2, 2)
+
+
+def model_is_not_a_module(config: Any) -> Task:
+    return Task(model="not a model", train_data=[(1, 2)], loss_fn=lambda o, t: o)  # type: ignore[arg-type]
