@@ -150,7 +150,7 @@ def requeue_slurm_job(environ: Mapping[str, str], timeout_s: float = 30.0) -> tu
     job_id = environ.get("SLURM_JOB_ID", "")
     if not job_id:
         return False, "not a SLURM job (no SLURM_JOB_ID): resubmit it to resume"
-    scontrol = shutil.which("scontrol")
+    scontrol = shutil.which("scontrol", path=environ.get("PATH"))
     if scontrol is None:
         return False, f"scontrol not found on PATH: cannot requeue job {job_id}; resubmit it to resume"
     try:
@@ -179,6 +179,6 @@ def stop_for_preemption(save_checkpoint: Any, is_main: bool, requeue: bool, step
         message = "no checkpoint support in this build: stopping without a checkpoint or requeue"
     elif requeue and is_main:  # one requeue per job; SLURM restarts every rank
         requeued, message = requeue_slurm_job(environ)
-    warn(f"stopped at step {step} after SIG{signal_name}; checkpoint: {path or 'none'}; {message}")
+    warn(f"stopped at step {step} after {signal_name}; checkpoint: {path or 'none'}; {message}")
     return {"preempted": True, "step": step, "signal": signal_name, "requeued": requeued,
             "checkpoint": str(path) if path else None}
