@@ -169,7 +169,8 @@ def stop_for_preemption(save_checkpoint: Any, is_main: bool, requeue: bool, step
                         signal_name: str, environ: Mapping[str, str], warn: Any) -> dict[str, Any]:
     """Checkpoint, then (rank 0, under SLURM) requeue; the record the run ends with (collective).
 
-    `save_checkpoint` is the trainer's collective save (returns the path on rank 0), or
+    `save_checkpoint` is the trainer's collective save (returns the path, or None if it
+    failed), or
     None where this build has no checkpointing: then nothing is requeued, because a
     requeued job without a checkpoint would start over and could be preempted forever.
     """
@@ -177,8 +178,12 @@ def stop_for_preemption(save_checkpoint: Any, is_main: bool, requeue: bool, step
     requeued, message = False, "requeue off (--preempt-requeue never)"
     if not callable(save_checkpoint):
         message = "no checkpoint support in this build: stopping without a checkpoint or requeue"
+    elif path is None:  # a failed save: requeueing would repeat the lost steps, maybe forever
+        message = "the checkpoint failed, so the job is not requeued; see the error above"
     elif requeue and is_main:  # one requeue per job; SLURM restarts every rank
         requeued, message = requeue_slurm_job(environ)
+    elif requeue:
+        message = "rank 0 decides the requeue"
     warn(f"stopped at step {step} after {signal_name}; checkpoint: {path or 'none'}; {message}")
     return {"preempted": True, "step": step, "signal": signal_name, "requeued": requeued,
             "checkpoint": str(path) if path else None}
