@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
@@ -102,12 +103,22 @@ def install_packages() -> None:
                        stdout=subprocess.DEVNULL, check=True)
 
 
+def _resolves(name: str) -> bool:
+    try:
+        socket.gethostbyname(name)
+    except OSError:
+        return False
+    return True
+
+
 def _hosts_entries(nodes: list[str], add: bool) -> None:
-    """Emulated nodes resolve to loopback; the real host already resolves to itself."""
+    """Emulated nodes (and this host, if it does not resolve) map to loopback: jobs use
+    the first node's name as their master address."""
     hosts = Path("/etc/hosts")
     kept = [line for line in hosts.read_text().splitlines() if not line.endswith(HOSTS_MARK)]
     if add:
-        kept += [f"127.0.0.1 {name} {HOSTS_MARK}" for name in nodes[1:]]
+        names = nodes[1:] + ([] if _resolves(nodes[0]) else nodes[:1])
+        kept += [f"127.0.0.1 {name} {HOSTS_MARK}" for name in names]
     # Rewrite in place: /etc/hosts is often a bind mount, which a rename would break.
     with open(hosts, "w", encoding="utf-8") as handle:
         handle.write("\n".join(kept) + "\n")
@@ -116,6 +127,8 @@ def _hosts_entries(nodes: list[str], add: bool) -> None:
 def _prepare(directory: Path, nodes: list[str], cpus: int) -> None:
     for sub in ("state", "run", "log", *(f"spool/{n}" for n in nodes)):
         (directory / sub).mkdir(parents=True, exist_ok=True)
+    if not Path("/etc/munge/munge.key").exists():  # normally made by the package's postinst
+        subprocess.run(["mungekey", "--create"], user="munge", group="munge", check=True)
     munge_dir = directory / "munge"
     munge_dir.mkdir(exist_ok=True)
     # munged wants its socket directory owned by munge and traversable by every client.
@@ -139,10 +152,10 @@ def _daemon_commands(directory: Path, nodes: list[str]) -> list[tuple[str, list[
     return commands
 
 
-def _wait_for(check: object, timeout: float, what: str) -> None:
+def _wait_for(check: Callable[[], object], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if check():  # type: ignore[operator]
+        if check():
             return
         time.sleep(0.1)
     raise SystemExit(f"local_cluster: timed out after {timeout:.0f}s waiting for {what}")
