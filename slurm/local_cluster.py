@@ -172,7 +172,9 @@ def _reaper(directory: Path) -> None:
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 user=user, group=user)
         pids[proc.pid] = name
-        (directory / "run" / f"{name}.pid.own").write_text(f"{proc.pid}\n")
+        scratch = directory / "run" / f"{name}.pid.tmp"  # rename: readers never see half a file
+        scratch.write_text(f"{proc.pid}\n")
+        os.replace(scratch, directory / "run" / f"{name}.pid.own")
         if name == "munged":  # slurm's daemons authenticate through munge at start
             _wait_for(lambda: (directory / "munge" / "munge.socket").exists(), 10, "munged")
     while pids:
