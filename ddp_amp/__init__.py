@@ -4,6 +4,8 @@ Each layer is usable from your own script:
 
     from ddp_amp import detect_env, init_distributed, resolve_precision, AutocastModule
 
+or all of them behind one object for your own loop: `with ddp_amp.Session() as session:`.
+
 The CLI (`python -m ddp_amp.train`) is built on the same public pieces.
 """
 
@@ -14,6 +16,7 @@ from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.precision import Precision, resolve_precision
 from ddp_amp.scaler import AgreedGradScaler
+from ddp_amp.session import Session, StepResult
 from ddp_amp.tasks import Task, load_task
 
 __version__ = "0.1.0"
@@ -24,6 +27,8 @@ __all__ = [
     "DistContext",
     "DistEnv",
     "Precision",
+    "Session",
+    "StepResult",
     "Task",
     "TrainConfig",
     "UsageError",

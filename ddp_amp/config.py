@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from ddp_amp.errors import UsageError
+from ddp_amp.lossscale import LossScaleOptions
 from ddp_amp.precision import PRECISION_CHOICES
 
 
@@ -53,6 +54,25 @@ class TrainConfig:
     num_workers: int = _opt(0, "DataLoader worker processes per rank")
     log_every: int = _opt(20, "print and record metrics every N optimizer steps")
     debug: bool = _opt(False, "show full tracebacks on errors")
+    # --- checkpoints (issue 3: ddp_amp/checkpoint/) ---
+    ckpt_every: int = _opt(0, "also save a checkpoint every N optimizer steps; 0 = only the "
+                           "final one at the end of training")
+    keep_last: int = _opt(3, "keep the newest K checkpoints; older ones are deleted only after "
+                          "a new one is committed; 0 keeps all")
+    resume: str = _opt("auto", "auto (newest complete checkpoint in <run-dir>/checkpoints, if "
+                       "any), none (start fresh), or PATH of a checkpoint directory")
+    # --- watching a run (issue 6): fp16 loss-scale safety and the rank-consistency guard ---
+    loss_scale_init: float = _opt(65536.0, "fp16: the loss scale to start from")
+    loss_scale_growth_interval: int = _opt(2000, "fp16: clean steps in a row before the scale doubles")
+    loss_scale_backoff: float = _opt(0.5, "fp16: factor the scale is multiplied by on overflow (0 < f < 1)")
+    loss_scale_min: float = _opt(1.0, "fp16: floor the scale never backs off below; overflows at the "
+                                 "floor stop the run (0 = no floor)")
+    loss_scale_hysteresis: int = _opt(1, "fp16: consecutive overflowing steps tolerated before the "
+                                      "scale backs off (DeepSpeed's hysteresis); they are still skipped")
+    max_consecutive_skips: int = _opt(100, "fp16: stop with an error after this many skipped steps "
+                                      "in a row (0 = never)")
+    check_sync_every: int = _opt(0, "every N steps compare a fingerprint of parameters, scaler state "
+                                 "and step across ranks and stop if they differ (0 = only after a resume)")
     # --- preemption (ddp_amp/preempt.py): signal -> agreed stop -> checkpoint -> requeue ---
     preempt_signal: str = _opt("USR1,TERM", "signals that mean 'checkpoint and stop at the next "
                                "agreed step' (comma list of USR1, USR2, TERM, INT, HUP, QUIT, or "
@@ -75,6 +95,12 @@ class TrainConfig:
             raise UsageError("--dist-timeout", self.dist_timeout, "seconds > 0", "e.g. --dist-timeout 600")
         if self.num_workers < 0:
             raise UsageError("--num-workers", self.num_workers, "an integer >= 0", "0 loads data in the training process")
+        for name in ("ckpt_every", "keep_last"):  # checkpoints (issue 3)
+            if getattr(self, name) < 0:
+                raise UsageError(_flag(name), getattr(self, name), "an integer >= 0", "0 turns it off")
+        LossScaleOptions.from_config(self).validate()
+        if self.check_sync_every < 0:
+            raise UsageError("--check-sync-every", self.check_sync_every, "an integer >= 0", "0 = off")
         for item in self.task_opt:
             if "=" not in item:
                 raise UsageError("--task-opt", item, "KEY=VALUE", "e.g. --task-opt hidden=256")

@@ -53,9 +53,14 @@ class BatchStream:
     def _start_epoch(self) -> Iterator[Any]:
         self.sampler.set_epoch(self.epoch)
         order = list(self.sampler)[self.batch_in_epoch * self.micro_batch_size:]
+        # A generator of its own: creating a loader iterator draws a base seed, and from the
+        # global RNG that draw would make a resumed run's dropout differ from a straight one.
+        generator = torch.Generator().manual_seed(
+            (self.sampler.seed * 1_000_003 + self.sampler.rank) * 1_000_003 + self.epoch)
         loader = DataLoader(self.dataset, batch_size=self.micro_batch_size, sampler=order,
                             drop_last=True, num_workers=self.num_workers,
-                            pin_memory=self.device.type == "cuda", worker_init_fn=self.worker_init_fn)
+                            pin_memory=self.device.type == "cuda", generator=generator,
+                            worker_init_fn=self.worker_init_fn)
         return iter(loader)
 
     def __iter__(self) -> BatchStream:

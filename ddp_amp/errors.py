@@ -15,3 +15,11 @@ class UsageError(Exception):
         self.expected = expected
         self.hint = hint
         super().__init__(f"{what}={value!r}: expected {expected} (hint: {hint})")
+
+
+class TrainingHalted(RuntimeError):
+    """A safety check stopped training (loss scale collapsed, loss non-finite, ranks out of sync).
+
+    Raised on every rank together (the checks read agreed or gathered values). Nothing is
+    checkpointed from the state that failed the check: callers must not save on this error.
+    """

@@ -2,6 +2,12 @@
 
 Rank 0 gets a `RunLog`; every other rank a `QuietRunLog` whose calls do nothing except
 `warn`, so the trainer never writes `if rank == 0`. Records are plain dicts of numbers.
+
+Progress: on a terminal rank 0 shows a tqdm bar (ddp_amp/progress.py); elsewhere it prints
+one plain line per logged step. metrics.jsonl holds one object per logged step, event
+records (`{"event": "overflow", "step": ...}`) and `{"summary": ...}` objects; after a
+resume from step S, `rewind_to(S)` drops what a lost attempt wrote past S, so the replayed
+steps are neither duplicated nor missing.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import resource
 import sys
 from pathlib import Path
 from typing import Any, TextIO
+
+from ddp_amp.progress import ProgressBar
 
 import psutil
 import torch
@@ -40,17 +48,75 @@ def _format(record: dict[str, Any]) -> str:
 class RunLog:
     """Rank 0's writer: prints to `stream` and records into the run directory."""
 
-    def __init__(self, run_dir: Path, stream: TextIO | None = None) -> None:
+    def __init__(self, run_dir: Path, stream: TextIO | None = None, bar: bool | None = None) -> None:
         self.run_dir = run_dir
         self.stream = stream or sys.stdout
+        # A bar only where someone watches: a terminal. Logs and pipes get plain lines.
+        self.use_bar = self.stream.isatty() if bar is None else bar
+        self._bar: ProgressBar | None = None
         run_dir.mkdir(parents=True, exist_ok=True)
         self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
 
     def info(self, message: str) -> None:
-        print(f"[ddp_amp] {message}", file=self.stream, flush=True)
+        if self._bar is not None:
+            self._bar.write(f"[ddp_amp] {message}")
+        else:
+            print(f"[ddp_amp] {message}", file=self.stream, flush=True)
+
+    def start_progress(self, total: int, initial: int = 0) -> None:
+        """Begin the progress display for steps `initial`..`total` (a bar on a terminal)."""
+        if self.use_bar and self._bar is None:
+            self._bar = ProgressBar(self.stream, total, initial)
+
+    def advance(self, steps: int = 1) -> None:
+        """One more optimizer step done (moves the bar; nothing without one)."""
+        if self._bar is not None:
+            self._bar.advance(steps)
+
+    def event(self, record: dict[str, Any], message: str) -> None:
+        """A notable event (e.g. an overflow report): appended to metrics.jsonl and printed."""
+        self._append(record)
+        self.info(message)
+
+    def rewind_to(self, step: int) -> int:
+        """Drop metrics.jsonl records past `step` (and summaries); returns how many were dropped.
+
+        Call after resuming from a checkpoint at `step` (0 for a fresh start), before
+        logging: the steps after it are replayed and logged again. The file is rewritten
+        atomically, so a crash here leaves the old or the new file, never half of one.
+        """
+        path = self.run_dir / "metrics.jsonl"
+        self._metrics.close()
+        kept, dropped = [], 0
+        for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash mid-write
+                dropped += 1
+                continue
+            if "summary" in record or record.get("step", 0) > step:
+                dropped += 1
+                continue
+            kept.append(line + "\n")
+        if dropped:
+            scratch = path.with_suffix(".jsonl.tmp")
+            with open(scratch, "w", encoding="utf-8") as handle:
+                handle.writelines(kept)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(scratch, path)
+        self._metrics = open(path, "a", encoding="utf-8")
+        return dropped
+
+    def _append(self, record: dict[str, Any]) -> None:
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
 
     def warn(self, message: str) -> None:
-        print(f"[ddp_amp] warning: {message}", file=sys.stderr, flush=True)
+        if self._bar is not None:  # stderr on the same terminal would tear the bar
+            self._bar.write(f"[ddp_amp] warning: {message}", sys.stderr)
+        else:
+            print(f"[ddp_amp] warning: {message}", file=sys.stderr, flush=True)
 
     def write_json(self, name: str, payload: dict[str, Any]) -> None:
         """Write run_dir/name atomically (temporary file, then rename)."""
@@ -60,18 +126,26 @@ class RunLog:
         os.replace(scratch, target)
 
     def metrics(self, record: dict[str, Any]) -> None:
-        """One logged step: appended to metrics.jsonl and printed as one line."""
-        self._metrics.write(json.dumps(record) + "\n")
-        self._metrics.flush()
-        self.info(_format(record))
+        """One logged step: appended to metrics.jsonl; shown on the bar, else printed as a line."""
+        self._append(record)
+        if self._bar is not None:
+            self._bar.show(record)
+        else:
+            self.info(_format(record))
 
     def summary(self, record: dict[str, Any]) -> None:
+        self._close_bar()
         self.write_json("summary.json", record)
-        self._metrics.write(json.dumps({"summary": record}) + "\n")
-        self._metrics.flush()
+        self._append({"summary": record})
         self.info("summary: " + _format(record))
 
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
     def close(self) -> None:
+        self._close_bar()
         self._metrics.close()
 
 
@@ -92,6 +166,18 @@ class QuietRunLog(RunLog):
 
     def metrics(self, record: dict[str, Any]) -> None:
         pass
+
+    def start_progress(self, total: int, initial: int = 0) -> None:
+        pass
+
+    def advance(self, steps: int = 1) -> None:
+        pass
+
+    def event(self, record: dict[str, Any], message: str) -> None:
+        pass
+
+    def rewind_to(self, step: int) -> int:
+        return 0
 
     def summary(self, record: dict[str, Any]) -> None:
         pass

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddp_amp.lossscale import OverflowCounters, next_scale
+
 
 class AgreedGradScaler(torch.amp.GradScaler):
     """Drop-in `torch.amp.GradScaler` whose inf/NaN decision is agreed across ranks.
@@ -31,11 +33,17 @@ class AgreedGradScaler(torch.amp.GradScaler):
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True,
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None,
+                 hysteresis: int = 1, min_scale: float = 0.0) -> None:
         super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval,
                          enabled=enabled)
         self.process_group = process_group
+        # Loss-scale safety (ddp_amp/lossscale.py). hysteresis=1, min_scale=0 is exactly
+        # GradScaler's own update rule.
+        self.hysteresis = hysteresis
+        self.min_scale = min_scale
+        self.overflow_counters = OverflowCounters()
         # Device tensors, read only when someone asks (logging steps): reading them is a
         # device-to-host sync on CUDA.
         self._last_skipped: torch.Tensor | None = None
@@ -70,7 +78,26 @@ class AgreedGradScaler(torch.amp.GradScaler):
                 skipped = (torch.stack(flags).sum() > 0).to(torch.int64)
                 self._last_skipped = skipped
                 self._skipped_total = skipped if self._skipped_total is None else self._skipped_total + skipped
+                streak = self.overflow_counters.record(skipped, self._scale, self.min_scale)
+                if new_scale is None and self._growth_tracker is not None and (
+                        self.hysteresis > 1 or self.min_scale > 0):
+                    new_scale, tracker = next_scale(
+                        self._scale, self._growth_tracker, streak,
+                        self._growth_factor, self._backoff_factor, self._growth_interval,
+                        self.hysteresis, self.min_scale)
+                    self._growth_tracker.copy_(tracker)
         super().update(new_scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self._enabled:
+            state.update(self.overflow_counters.state_dict())
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self._enabled:
+            self.overflow_counters.load_state_dict(state_dict)
 
     def last_step_skipped(self) -> torch.Tensor:
         """0-d int tensor on the scaler's device: 1 if the last `update()` followed a skip."""
@@ -83,3 +110,8 @@ class AgreedGradScaler(torch.amp.GradScaler):
         if self._skipped_total is None:
             return torch.zeros((), dtype=torch.int64)
         return self._skipped_total
+
+    def restore_skipped_steps(self, count: int) -> None:
+        """Set the skipped-step counter, as a resumed run continues the count it saved."""
+        device = self._scale.device if self._scale is not None else torch.device(self._device)
+        self._skipped_total = torch.tensor(count, dtype=torch.int64, device=device)

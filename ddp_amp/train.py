@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddp_amp.checkpoint import checkpoint_root, ensure_writable
 from ddp_amp.config import TrainConfig, parse_config
 from ddp_amp.dist import DistContext, init_distributed, shutdown_distributed
 from ddp_amp.env import DistEnv, detect_env
-from ddp_amp.errors import UsageError
+from ddp_amp.errors import TrainingHalted, UsageError
 from ddp_amp.metrics import make_run_log
 from ddp_amp.preempt import EXIT_PREEMPTED
 from ddp_amp.precision import resolve_precision
@@ -47,15 +48,23 @@ def train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     seed_everything(config.seed)  # same model init on every rank
     task = load_task(config.task, config)  # bad tasks fail before anything is written
     seed_everything(config.seed + ctx.rank)  # per-rank dropout and augmentation
+    ckpt_root = checkpoint_root(run_dir)
+    ensure_writable(ckpt_root, run_dir, ctx.rank)  # all ranks fail together, before any work
     run_log = make_run_log(ctx.rank, run_dir)
     try:
-        trainer = Trainer(config, task, ctx, precision, run_log)
+        trainer = Trainer(config, task, ctx, precision, run_log, checkpoint_root=ckpt_root)
         run_log.write_json("config.json", {"config": config.to_dict(), "env": vars(ctx.env),
                                            "device": str(ctx.device), "backend": ctx.backend,
                                            "precision": precision.name})
         run_log.info(f"task={task.name} world_size={ctx.world_size} device={ctx.device} "
                      f"backend={ctx.backend or 'none'} precision={precision.name} ({precision.reason}) "
                      f"run_dir={run_dir}")
+        resumed_from = trainer.resume(config.resume)
+        # Records past the step we start from belong to a lost attempt: drop them, so a
+        # requeued run neither duplicates nor misses steps.
+        run_log.rewind_to(trainer.step)
+        if resumed_from is not None:
+            trainer.watch.after_resume(trainer.step)  # ranks must agree right after a load
         summary = trainer.fit()
         if not summary.get("preempted"):  # summary.json means "finished"; a stop is not
             run_log.summary(summary)
@@ -84,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:  # every rank parsed the same input; one line is enough
             print(f"ddp_amp: error: {error}", file=sys.stderr)
         return 2
+    except TrainingHalted as error:
+        if debug:
+            raise
+        if rank == 0:  # raised on every rank together with the same diagnosis
+            print(f"ddp_amp: stopped: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except Exception as error:  # noqa: BLE001 - a one-line report, the traceback on --debug

@@ -18,6 +18,7 @@ import os
 import random
 import time
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,14 +27,17 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddp_amp.autocast import AutocastModule
+from ddp_amp import checkpoint
+from ddp_amp.autocast import AutocastModule, unwrap_model
 from ddp_amp.config import TrainConfig
 from ddp_amp.data import BatchStream, to_device
 from ddp_amp.dist import DistContext, all_reduce_
+from ddp_amp.lossscale import LossScaleOptions
 from ddp_amp.metrics import RunLog, peak_memory_mb
 from ddp_amp.precision import Precision
 from ddp_amp.preempt import PreemptionWatch, parse_signals, stop_for_preemption, worker_ignores
 from ddp_amp.tasks import Task
+from ddp_amp.watch import RunWatch
 
 
 def seed_everything(seed: int) -> None:
@@ -61,7 +65,7 @@ class Trainer:
     """Builds DDP(AutocastModule(model)), optimizer, scaler and data for one rank, and trains."""
 
     def __init__(self, config: TrainConfig, task: Task, ctx: DistContext, precision: Precision,
-                 run_log: RunLog) -> None:
+                 run_log: RunLog, checkpoint_root: Path | None = None) -> None:
         self.config, self.task, self.ctx, self.precision, self.run_log = config, task, ctx, precision, run_log
         self.device = ctx.device
         self.model = self._wrap(task.model.to(self.device))
@@ -69,7 +73,10 @@ class Trainer:
         self.optimizer = make_optimizer(task, config.optimizer, self.params,
                                         config.lr or task.default_lr, self.device)
         self.scheduler = task.make_scheduler(self.optimizer) if task.make_scheduler else None
-        self.scaler = precision.make_scaler()
+        self.scaler = precision.make_scaler(**LossScaleOptions.from_config(config).scaler_kwargs())
+        named = [(n, p) for n, p in self.autocast_model.unwrap().named_parameters() if p.requires_grad]
+        # Installs its DDP comm hook now: DDP takes hooks only before the first backward.
+        self.watch = RunWatch(config, self.model, named, self.scaler, run_log, ctx.rank, precision.name)
         signums = parse_signals(config.preempt_signal)
         self.preemption = PreemptionWatch(signums, self.device, config.preempt_check_s, ctx.has_group)
         self.stream = BatchStream(task.train_data, config.micro_batch_size(ctx.world_size), ctx.rank,
@@ -78,6 +85,10 @@ class Trainer:
         self.step = 0  # optimizer steps attempted; skipped fp16 steps count
         self.samples_seen = 0
         self.last_loss = torch.zeros((), device=self.device)
+        # Checkpoints (issue 3): None = checkpointing off (library use without a run dir).
+        self.checkpoint_root = checkpoint_root
+        self.checkpoint_error: checkpoint.CheckpointError | None = None
+        self._saved_step: int | None = None
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         wrapped = AutocastModule(model, self.precision.device_type, self.precision.dtype,
@@ -112,6 +123,7 @@ class Trainer:
             nn.utils.clip_grad_norm_(self.params, self.config.clip_grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        self.watch.after_update(self.step + 1)  # before zero_grad: forensics reads the grads
         self.optimizer.zero_grad(set_to_none=True)
         # Only fp16 can skip; reading the agreed flag is a host sync, so bf16/fp32 never do.
         if self.scheduler is not None and not (self.scaler.is_enabled() and self.scaler.last_step_skipped().item()):
@@ -125,7 +137,7 @@ class Trainer:
         total = all_reduce_(value.detach().clone().float())
         return total.item() / self.ctx.world_size
 
-    def log_record(self, loss: torch.Tensor, samples_per_s: float) -> dict[str, Any]:
+    def log_record(self, loss: torch.Tensor, samples_per_s: float, step_time: float = 0.0) -> dict[str, Any]:
         """Numbers for one logged step (collective: averages the loss over ranks)."""
         return {
             "step": self.step,
@@ -135,6 +147,7 @@ class Trainer:
             "loss_scale": self.scaler.get_scale() if self.scaler.is_enabled() else 1.0,
             "skipped_total": int(self.scaler.skipped_steps().item()),
             "samples_per_s": samples_per_s,
+            "step_time": step_time,
             "peak_mem_mb": peak_memory_mb(self.device),
         }
 
@@ -169,21 +182,32 @@ class Trainer:
         """Train for `max_steps` steps, logging every `log_every`; returns the summary record."""
         self.model.train()
         started = window_start = time.perf_counter()
-        window_samples = self.samples_seen
+        started_step = self.step
+        window_samples, window_steps = self.samples_seen, self.step
         loss = self.last_loss
+        self.run_log.start_progress(self.config.max_steps, self.step)
         self.preemption.install()  # signal -> flag only; restored when fit returns
         while self.step < self.config.max_steps:
             loss = self.train_step()
+            self.run_log.advance()
             if self.step % self.config.log_every == 0 or self.step == self.config.max_steps:
                 now = time.perf_counter()
                 rate = (self.samples_seen - window_samples) / max(now - window_start, 1e-9)
-                self.run_log.metrics(self.log_record(loss, rate))
-                window_start, window_samples = now, self.samples_seen
+                step_time = (now - window_start) / max(self.step - window_steps, 1)
+                record = self.log_record(loss, rate, step_time)
+                self.run_log.metrics(record)
+                self.watch.on_log(record)
+                window_start, window_samples, window_steps = now, self.samples_seen, self.step
+            if self.config.ckpt_every and self.step % self.config.ckpt_every == 0:
+                self._checkpoint_or_raise()
             if self.step < self.config.max_steps and self.preemption.should_stop(self.step):
                 return self.stop_for_preemption()
         self.preemption.restore()
+        self.watch.finish(self.step)
         elapsed = time.perf_counter() - started
-        summary = self.log_record(loss, self.samples_seen / max(elapsed, 1e-9))
+        self._checkpoint_or_raise()  # the final one; a halted run raised before reaching it
+        summary = self.log_record(loss, self.samples_seen / max(elapsed, 1e-9),
+                                  elapsed / max(self.step - started_step, 1))
         skipped = summary["skipped_total"]
         summary.update({
             "steps": self.step,
@@ -199,6 +223,65 @@ class Trainer:
     def stop_for_preemption(self) -> dict[str, Any]:
         """Checkpoint and requeue after an agreed preemption signal; the stop record (collective)."""
         self.preemption.restore()
-        return stop_for_preemption(getattr(self, "save_checkpoint", None), self.ctx.is_main,
+        self.watch.finish(self.step)
+        return stop_for_preemption(self.save_checkpoint, self.ctx.is_main,
                                    self.config.preempt_requeue == "auto", self.step,
                                    self.preemption.stopped_by, os.environ, self.run_log.warn)
+
+    # --- checkpoints (issue 3: ddp_amp/checkpoint/) ---
+
+    def _checkpoint_parts(self) -> checkpoint.TrainingParts:
+        return checkpoint.TrainingParts(unwrap_model(self.model), self.optimizer, self.scaler,
+                                        self.scheduler, self.stream, self.device)
+
+    def save_checkpoint(self) -> Path | None:
+        """Commit a checkpoint of the current step (collective: call on every rank).
+
+        Returns the checkpoint directory on every rank, or None on every rank if the write
+        failed (the reason is in `self.checkpoint_error`; older checkpoints are untouched)
+        or checkpointing is off. Saving the same step twice writes it once.
+        """
+        if self.checkpoint_root is None:
+            return None
+        if self._saved_step == self.step:
+            return self.checkpoint_root / checkpoint.step_dir_name(self.step)
+        started = time.perf_counter()
+        meta = checkpoint.describe_run(self.config.to_dict(), self.ctx.world_size,
+                                       self.stream.micro_batch_size, self.precision.name,
+                                       self.scaler.is_enabled(), self.step, self.stream.batches_per_epoch)
+        result = checkpoint.save_checkpoint(self.checkpoint_root, self.ctx.rank, self._checkpoint_parts(),
+                                            self.step, self.samples_seen, meta, self.config.keep_last)
+        self.checkpoint_error = result.error
+        if result.path is None:
+            self.run_log.info(f"checkpoint at step {self.step} failed: {result.error}")
+            return None
+        self._saved_step = self.step
+        self.run_log.info(f"saved checkpoint {result.path} ({time.perf_counter() - started:.2f} s)")
+        return result.path
+
+    def _checkpoint_or_raise(self) -> None:
+        if self.save_checkpoint() is None and self.checkpoint_error is not None:
+            raise self.checkpoint_error
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore model, optimizer, scaler, scheduler, counters, data position and this
+        rank's RNG from checkpoint directory `path` (collective)."""
+        self.step, self.samples_seen = checkpoint.load_checkpoint(
+            Path(path), self._checkpoint_parts(), self.ctx.rank, self.ctx.world_size,
+            self.precision.name, self.run_log.info)
+        # Saving this step again would only rewrite what is there; elsewhere (another run's
+        # checkpoint) it must still be written into this run's directory.
+        own = self.checkpoint_root and Path(path).resolve() == (
+            self.checkpoint_root / checkpoint.step_dir_name(self.step)).resolve()
+        self._saved_step = self.step if own else None
+        self.run_log.info(f"resumed from {path} at step {self.step}")
+
+    def resume(self, choice: str) -> Path | None:
+        """Apply `--resume auto|none|PATH` (collective); returns the checkpoint used, if any."""
+        if self.checkpoint_root is None and choice == "auto":
+            return None
+        root = self.checkpoint_root or Path(choice)
+        path = checkpoint.choose_checkpoint(choice, root, self.ctx.rank, self.run_log.warn)
+        if path is not None:
+            self.load_checkpoint(path)
+        return path

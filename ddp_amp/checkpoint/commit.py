@@ -1,0 +1,174 @@
+"""The commit protocol: a checkpoint appears whole or not at all, and old ones go only after.
+
+1. Write every file into `.tmp-step-N-<pid>/` beside the target, fsyncing each.
+2. Write `manifest.json` (sizes + sha256 of the others) last, fsync it and the directory.
+3. Rename the directory to `step-N` (atomic on POSIX), then fsync the parent so the rename
+   itself survives a power cut.
+4. Only then apply `--keep-last`: a crash or a full disk at any point leaves every
+   previously committed checkpoint untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from ddp_amp.checkpoint.discovery import list_step_dirs, step_dir_name
+from ddp_amp.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileRecord, encode_manifest
+
+log = logging.getLogger(__name__)
+
+# Test-only: seconds to sleep after each file is written, so a test can kill the writer
+# while a checkpoint is half-written. Not an option for users; never set in production.
+WRITE_DELAY_ENV = "DDP_AMP_TEST_CKPT_WRITE_DELAY"
+SCRATCH_PREFIX = ".tmp-"
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (new names, renames) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter:
+    """A file wrapper that hashes and counts what passes through, and keeps a write's OSError.
+
+    Hashing on the way out spares reading the file back for the manifest. torch.save turns
+    a failed write into a RuntimeError without the errno ("unexpected pos ..."); keeping
+    the original lets a full disk be reported as a full disk.
+    """
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle = handle
+        self.digest = hashlib.sha256()
+        self.size = 0
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            written = self.handle.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+        self.digest.update(data)
+        self.size += memoryview(data).nbytes
+        return written
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _write_file(path: Path, payload: Any) -> FileRecord:
+    """bytes are written as they are; anything else through torch.save. Then fsync."""
+    with open(path, "wb") as handle:
+        writer = _HashingWriter(handle)
+        if isinstance(payload, bytes):
+            writer.write(payload)
+        else:
+            try:
+                torch.save(payload, writer)
+            except RuntimeError:
+                if writer.error is not None:
+                    raise writer.error from None
+                raise
+        handle.flush()
+        os.fsync(handle.fileno())
+    return {"size": writer.size, "sha256": writer.digest.hexdigest()}
+
+
+def _write_delay() -> float:
+    try:
+        return float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
+    except ValueError:
+        return 0.0
+
+
+def check_writable(root: Path) -> None:
+    """Create `root` and write+remove a probe file; raises OSError if that fails."""
+    root.mkdir(parents=True, exist_ok=True)
+    probe = root / f"{SCRATCH_PREFIX}probe-{os.getpid()}"
+    _write_file(probe, b"ok")
+    probe.unlink()
+
+
+def _move_into_place(scratch: Path, target: Path) -> None:
+    """Rename `scratch` to `target`; an existing `target` (same step saved again) is replaced."""
+    if not target.exists():
+        os.rename(scratch, target)
+        return
+    # rename() cannot replace a non-empty directory; move the old one aside first. Only
+    # the same step is briefly absent here, never an older checkpoint.
+    aside = target.with_name(f"{SCRATCH_PREFIX}old-{target.name}-{os.getpid()}")
+    os.rename(target, aside)
+    os.rename(scratch, target)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def commit_checkpoint(root: Path, step: int, files: dict[str, Any], keep_last: int = 0) -> Path:
+    """Write `files` (name -> bytes or torch.save-able object) as checkpoint `step` under `root`.
+
+    Returns the committed directory. On any failure the partial directory is removed (which
+    also frees the space a full disk needs) and the error propagates; nothing older changes.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / step_dir_name(step)
+    scratch = root / f"{SCRATCH_PREFIX}{target.name}-{os.getpid()}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    delay = _write_delay()
+    try:
+        scratch.mkdir()
+        records = {}
+        for name, payload in files.items():
+            records[name] = _write_file(scratch / name, payload)
+            if delay:
+                time.sleep(delay)
+        manifest = {"format": FORMAT_VERSION, "step": step, "files": records}
+        _write_file(scratch / MANIFEST_NAME, encode_manifest(manifest))
+        fsync_dir(scratch)
+        _move_into_place(scratch, target)
+        fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    remove_scratch(root)
+    apply_retention(root, keep_last, target)
+    return target
+
+
+def remove_scratch(root: Path) -> None:
+    """Delete leftovers of writes that died (killed writers leave `.tmp-*` directories)."""
+    for entry in root.glob(f"{SCRATCH_PREFIX}*"):
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def apply_retention(root: Path, keep_last: int, newest: Path) -> list[Path]:
+    """Keep `newest` and the `keep_last - 1` checkpoints just older than it; 0 keeps all.
+
+    Directories with a higher step than `newest` (left by an earlier run or skipped as
+    corrupt) are not touched: this run did not write them.
+    """
+    if keep_last < 1:
+        return []
+    steps = list_step_dirs(root)
+    newest_step = next((step for step, path in steps if path == newest), None)
+    if newest_step is None:
+        return []
+    older = [path for step, path in steps if step < newest_step]
+    doomed = older[:max(0, len(older) - (keep_last - 1))]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+        log.debug("retention removed %s", path)
+    return doomed

@@ -1,0 +1,75 @@
+"""The manifest: what makes a checkpoint directory complete, and how that is checked.
+
+`manifest.json` is the last file written into a checkpoint's temporary directory. It lists
+every other file with its size and sha256, so a reader can tell a complete checkpoint from
+a torn one (killed mid-write, truncated by a full disk, bit rot) before unpickling anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+_CHUNK = 1 << 20
+FileRecord = dict[str, Any]  # {"size": bytes, "sha256": hex digest}
+
+
+class IncompleteCheckpoint(Exception):
+    """A checkpoint directory that fails its manifest check (missing, torn or altered)."""
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file, read in 1 MiB chunks so large checkpoints need no extra memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def build_manifest(directory: Path, step: int, names: list[str]) -> dict[str, Any]:
+    """The manifest record for `names` (files already written and fsynced in `directory`)."""
+    files: dict[str, FileRecord] = {
+        name: {"size": (directory / name).stat().st_size, "sha256": file_digest(directory / name)}
+        for name in sorted(names)}
+    return {"format": FORMAT_VERSION, "step": step, "files": files}
+
+
+def encode_manifest(manifest: dict[str, Any]) -> bytes:
+    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """Parse `directory/manifest.json`; raises IncompleteCheckpoint if absent or unreadable."""
+    path = directory / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise IncompleteCheckpoint(f"{directory}: no {MANIFEST_NAME} (the write did not finish)") from None
+    except (OSError, ValueError) as error:
+        raise IncompleteCheckpoint(f"{directory}: unreadable {MANIFEST_NAME} ({error})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise IncompleteCheckpoint(f"{directory}: {MANIFEST_NAME} has no file list")
+    if manifest.get("format") != FORMAT_VERSION:
+        raise IncompleteCheckpoint(f"{directory}: manifest format {manifest.get('format')!r}, "
+                                   f"this ddp_amp reads format {FORMAT_VERSION}")
+    return manifest
+
+
+def verify_checkpoint(directory: Path, check_hashes: bool = True) -> dict[str, Any]:
+    """Check every listed file's size (and sha256); return the manifest or raise IncompleteCheckpoint."""
+    manifest = read_manifest(directory)
+    for name, expected in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            raise IncompleteCheckpoint(f"{path}: listed in the manifest but missing")
+        size = path.stat().st_size
+        if size != expected.get("size"):
+            raise IncompleteCheckpoint(f"{path}: {size} bytes, manifest says {expected.get('size')}")
+        if check_hashes and file_digest(path) != expected.get("sha256"):
+            raise IncompleteCheckpoint(f"{path}: sha256 differs from the manifest (corrupted)")
+    return manifest

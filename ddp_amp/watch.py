@@ -1,0 +1,120 @@
+"""The run's watchdogs on the training loop's cadence: overflow reports, loss-scale guard, sync guard.
+
+The trainer makes one `RunWatch` and calls it at three points:
+- `after_update(step)`: every step, after `scaler.update()` and before `zero_grad` (the
+  skipped step's gradients are still there for forensics);
+- `on_log(record)`: at every logged step;
+- `after_resume(step)`: once, right after a checkpoint was loaded (the lead's resume path);
+- `finish(step)`: after the last step (reports overflows not reported yet).
+
+Cost per step. Under fp16 the skip counters are read from the device every step on a CPU
+(free there) and every `check_every` steps on a GPU (each read is a host sync); the
+overflow report (an all-gather) runs only when a skip actually happened, and at a falling
+rate: the 1st, 2nd, 4th, 8th ... overflow event, and at least once per 1000 steps while
+they continue. bf16/fp32 runs do none of it; they check only that the logged loss is finite.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ddp_amp.config import TrainConfig
+from ddp_amp.errors import TrainingHalted
+from ddp_amp.forensics import OverflowProbe, describe
+from ddp_amp.lossscale import LossScaleGuard, LossScaleOptions, check_loss_finite
+from ddp_amp.metrics import RunLog
+from ddp_amp.scaler import AgreedGradScaler
+from ddp_amp.syncguard import check_rank_sync
+
+REPORT_AT_LEAST_EVERY = 1000  # steps between overflow reports while overflows continue
+
+
+class RunWatch:
+    """Loss-scale guard, overflow forensics and the rank-consistency guard for one rank."""
+
+    def __init__(self, config: TrainConfig, model: nn.Module, named_params: list[tuple[str, nn.Parameter]],
+                 scaler: AgreedGradScaler, run_log: RunLog, rank: int, precision: str) -> None:
+        self.scaler, self.run_log, self.precision = scaler, run_log, precision
+        self.named_params = named_params
+        self.options = LossScaleOptions.from_config(config)
+        self.guard = LossScaleGuard(self.options)
+        self.sync_every = config.check_sync_every
+        device = next((p.device for _, p in named_params), None)
+        self.probe: OverflowProbe | None = None
+        if scaler.is_enabled() and device is not None:
+            self.probe = OverflowProbe(named_params, rank, device)
+            self.probe.install(model)
+        limit = self.options.max_consecutive_skips or config.log_every
+        # A CPU reads device flags for free; on a GPU each read is a sync, so read at most
+        # every log step and often enough to stop a skip streak near its limit.
+        on_cpu = device is None or device.type == "cpu"
+        self.check_every = 1 if on_cpu else max(1, min(config.log_every, limit // 2))
+        self._seen_skips = 0
+        self._events = 0
+        self._pending = 0
+        self._last_report = 0
+
+    def after_update(self, step: int) -> None:
+        """Per-step checks; `step` counts this step (collective on check steps, on all ranks)."""
+        if self.probe is not None and step % self.check_every == 0:
+            total = int(self.scaler.skipped_steps().item())
+            new, self._seen_skips = total - self._seen_skips, total
+            if new:
+                self._overflowed(step, new)
+            try:
+                self.guard.check(self.scaler, step)
+            except TrainingHalted as error:
+                self._report(step)  # what the last overflows looked like, before stopping
+                self._halt(step, error)
+        if self.sync_every and step % self.sync_every == 0:
+            self.check_sync(step)
+
+    def on_log(self, record: dict[str, Any]) -> None:
+        """Checks on a logged step's numbers (the loss there is already the mean over ranks)."""
+        # Under fp16 a non-finite loss is an overflow the scaler skips; the guard handles it.
+        if self.precision != "fp16":
+            try:
+                check_loss_finite(record["loss"], record["step"], self.precision)
+            except TrainingHalted as error:
+                self._halt(record["step"], error)
+
+    def finish(self, step: int) -> None:
+        """At the end of training: report overflows not yet reported (collective)."""
+        self._report(step)
+
+    def after_resume(self, step: int) -> None:
+        """Run right after loading a checkpoint, on every rank (collective)."""
+        self._seen_skips = int(self.scaler.skipped_steps().item()) if self.scaler.is_enabled() else 0
+        self._last_report = step
+        self.check_sync(step, when="after resume")
+
+    def check_sync(self, step: int, when: str = "") -> None:
+        """The rank-consistency guard now (collective)."""
+        try:
+            check_rank_sync(self.named_params, self.scaler, step, when)
+        except TrainingHalted as error:
+            self._halt(step, error)
+
+    def _overflowed(self, step: int, skipped: int) -> None:
+        self._events += 1
+        self._pending += skipped
+        if self.probe is not None and self.scaler.last_step_skipped().item():
+            self.probe.scan_grads()  # one process: the gradients of this step are local
+        power_of_two = self._events & (self._events - 1) == 0
+        if power_of_two or step - self._last_report >= REPORT_AT_LEAST_EVERY:
+            self._report(step)
+
+    def _report(self, step: int) -> None:
+        if self.probe is None or not self._pending:
+            return
+        record = self.probe.report(step, self._pending)
+        record["loss_scale"] = self.scaler.get_scale()
+        self._pending, self._last_report = 0, step
+        self.run_log.event(record, f"overflow: {describe(record)}; loss scale now {record['loss_scale']:.4g}")
+
+    def _halt(self, step: int, error: TrainingHalted) -> None:
+        self.run_log.event({"event": "halted", "step": step, "reason": str(error)},
+                          f"stopping at step {step}: a safety check failed (the error follows)")
+        raise error

@@ -1,0 +1,60 @@
+"""A tiny plugin task for the checkpoint tests: dropout, a scheduler, and a test-chosen crash.
+
+Task options (`--task-opt KEY=VALUE`):
+- `hidden`: width (a different width makes a checkpoint of "another model");
+- `loss_mult`: multiplies the loss; a large value overflows fp16 so the scaler skips steps;
+- `kill_at`, `kill_rank`: on torchrun's first attempt (TORCHELASTIC_RESTART_COUNT=0) the
+  rank `kill_rank` SIGKILLs itself as it starts optimizer step `kill_at + 1`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ddp_amp import Task, TrainConfig
+
+SAMPLES = 96  # 2 ranks x micro-batch 4 -> 12 micro-batches per rank per epoch
+
+
+def _kill_hook(kill_at: int, kill_rank: int, grad_accum: int) -> Any:
+    calls = [0]
+
+    def hook(module: nn.Module, args: Any) -> None:
+        calls[0] += 1
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and int(os.environ.get("RANK", "0")) == kill_rank and \
+                calls[0] == kill_at * grad_accum + 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def make_task(config: TrainConfig) -> Task:
+    options = config.task_options()
+    hidden = int(options.get("hidden", "16"))
+    loss_mult = float(options.get("loss_mult", "1"))
+    generator = torch.Generator().manual_seed(7)
+    inputs = torch.randn(SAMPLES, 8, generator=generator)
+    targets = torch.sin(inputs[:, :4] * 2)
+    model = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, 4))
+    if "kill_at" in options:
+        kill_rank = int(options.get("kill_rank", "1"))
+        model.register_forward_pre_hook(_kill_hook(int(options["kill_at"]), kill_rank, config.grad_accum))
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(output.float(), target) * loss_mult
+
+    return Task(
+        model=model,
+        train_data=TensorDataset(inputs, targets),
+        loss_fn=loss_fn,
+        make_scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7),
+        default_lr=1e-2,
+        name="ckpt_task",
+    )

@@ -1,0 +1,59 @@
+"""Crashes with real processes: a rank SIGKILLed under torchrun, a writer killed mid-write."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ddp_amp.checkpoint import safe_load, verify_checkpoint
+from ddp_amp.checkpoint.commit import WRITE_DELAY_ENV
+from tests.resume_harness import TASK, assert_bitwise_equal
+from tests.multiproc import REPO_ROOT, cli_env, run_train
+
+COMMON = ["--task", TASK, "--batch-size", "8", "--device", "cpu", "--log-every", "1000"]
+
+
+def _final(run_dir: Path, step: int) -> dict[str, object]:
+    path = run_dir / "checkpoints" / f"step-{step:08d}"
+    verify_checkpoint(path)
+    train = safe_load(path / "train.pt")
+    return {"model": safe_load(path / "model.pt"), "optimizer": train["optimizer"],
+            "scheduler": train["scheduler"], "step": train["step"]}
+
+
+def test_rank_killed_under_torchrun_restarts_and_matches_straight_run(tmp_path: Path) -> None:
+    args = COMMON + ["--max-steps", "8", "--ckpt-every", "3"]
+    crashed = run_train(args + ["--run-dir", str(tmp_path / "crashed"), "--task-opt", "kill_at=5",
+                                "--task-opt", "kill_rank=1"], nproc=2, torchrun_args=("--max-restarts=2",))
+    assert crashed.returncode == 0, crashed.stderr[-3000:]
+    assert "exitcode: -9" in crashed.stderr  # the rank really died by SIGKILL
+    assert "resumed from" in crashed.stdout and "step-00000003" in crashed.stdout, crashed.stdout
+    straight = run_train(args + ["--run-dir", str(tmp_path / "straight")], nproc=2)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert_bitwise_equal(_final(tmp_path / "straight", 8), _final(tmp_path / "crashed", 8))
+
+
+def test_writer_killed_mid_write_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    command = [sys.executable, "-m", "ddp_amp.train", *COMMON, "--max-steps", "6", "--ckpt-every", "2",
+               "--run-dir", str(tmp_path)]
+    # Test-only slow-down: 0.3 s after each file, so the kill lands inside the step-4 write.
+    proc = subprocess.Popen(command, env=cli_env(**{WRITE_DELAY_ENV: "0.3"}), cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(root.glob(".tmp-step-00000004-*/model.pt")):
+            assert proc.poll() is None and time.monotonic() < deadline, "never reached the step-4 write"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(30)
+    assert not (root / "step-00000004").exists()
+    verify_checkpoint(root / "step-00000002")  # the previous one is whole
+    resumed = run_train(COMMON + ["--max-steps", "6", "--ckpt-every", "2", "--run-dir", str(tmp_path)])
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {root / 'step-00000002'} at step 2" in resumed.stdout, resumed.stdout
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000002", "step-00000004", "step-00000006"]

@@ -1,0 +1,120 @@
+"""Loss-scale safety: hysteresis and floor in the scaler, the guard that stops a failing run."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddp_amp.config import TrainConfig, parse_config
+from ddp_amp.dist import init_distributed
+from ddp_amp.env import detect_env
+from ddp_amp.errors import TrainingHalted, UsageError
+from ddp_amp.lossscale import LossScaleGuard, LossScaleOptions
+from ddp_amp.scaler import AgreedGradScaler
+from ddp_amp.train import train
+from tests.multiproc import run_train
+
+
+def _step(scaler: AgreedGradScaler, param: torch.nn.Parameter, overflow: bool) -> None:
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    loss = (param * (float("inf") if overflow else 1.0)).sum()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    param.grad = None
+
+
+def test_hysteresis_tolerates_overflows_then_backs_off_to_the_floor() -> None:
+    scaler = AgreedGradScaler("cpu", init_scale=8.0, growth_interval=2, hysteresis=2, min_scale=2.0)
+    param = torch.nn.Parameter(torch.ones(3))
+    scales = []
+    for overflow in [True, True, True, False, True, False, False, True, True, True, True]:
+        _step(scaler, param, overflow)
+        scales.append(scaler.get_scale())
+    # 1st overflow tolerated, 2nd and 3rd back off; a clean step resets the count so the
+    # next single overflow is tolerated again; two clean steps grow; the floor holds at 2.
+    assert scales == [8.0, 4.0, 2.0, 2.0, 2.0, 2.0, 4.0, 4.0, 2.0, 2.0, 2.0]
+    assert int(scaler.skipped_steps()) == 8
+
+
+def test_default_options_behave_like_plain_gradscaler() -> None:
+    plain = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=2)
+    ours = AgreedGradScaler("cpu", init_scale=16.0, growth_interval=2)
+    # A floor far below reach takes our own update rule instead of torch's: same scales.
+    policy = AgreedGradScaler("cpu", init_scale=16.0, growth_interval=2, min_scale=1e-30)
+    for overflow in [True, False, False, True, True, False, False, False]:
+        for scaler in (plain, ours, policy):
+            _step(scaler, torch.nn.Parameter(torch.ones(2)), overflow)  # type: ignore[arg-type]
+        assert ours.get_scale() == plain.get_scale() == policy.get_scale()
+    assert plain.get_scale() == 8.0  # 16 -> 8 -> 16 -> 8 -> 4 -> 4 -> 8 -> 8
+
+
+def test_guard_stops_after_consecutive_skips_and_streak_survives_state_dict() -> None:
+    options = LossScaleOptions(init_scale=2.0**10, min_scale=0.0, max_consecutive_skips=3)
+    scaler = AgreedGradScaler("cpu", **options.scaler_kwargs())  # type: ignore[arg-type]
+    guard = LossScaleGuard(options)
+    param = torch.nn.Parameter(torch.ones(2))
+    for _ in range(2):
+        _step(scaler, param, True)
+    guard.check(scaler, 2)  # 2 < 3: carry on
+    restored = AgreedGradScaler("cpu", **options.scaler_kwargs())  # type: ignore[arg-type]
+    restored.load_state_dict(scaler.state_dict())
+    _step(restored, param, True)
+    with pytest.raises(TrainingHalted, match=r"3 consecutive.*--precision bf16"):
+        guard.check(restored, 3)
+
+
+def test_bad_loss_scale_options_are_usage_errors() -> None:
+    with pytest.raises(UsageError, match="--loss-scale-backoff"):
+        parse_config(["--loss-scale-backoff", "1.5"])
+    with pytest.raises(UsageError, match="--loss-scale-min"):
+        parse_config(["--loss-scale-min", "1e9"])
+    with pytest.raises(UsageError, match="--check-sync-every"):
+        parse_config(["--check-sync-every", "-1"])
+
+
+def _one_process(tmp_path: Path, **options: object) -> TrainConfig:
+    return TrainConfig(task="tests.plugins.nonfinite_task:make_task", run_dir=str(tmp_path), max_steps=30,
+                       batch_size=16, log_every=5, device="cpu", **options)  # type: ignore[arg-type]
+
+
+def test_scale_at_floor_with_overflows_stops_one_process(tmp_path: Path) -> None:
+    config = _one_process(tmp_path, precision="fp16", loss_scale_init=4.0, loss_scale_min=1.0,
+                          task_opt=("poison=0.weight", "from_step=2"))
+    with pytest.raises(TrainingHalted, match=r"floor 1 .*--precision bf16"):
+        train(config, init_distributed(detect_env({}), device="cpu"))
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    overflows = [e for e in events if e.get("event") == "overflow"]
+    # 4 -> 2 -> 1 (floor), then one more overflow at the floor: stop at step 4.
+    assert events[-1]["event"] == "halted" and events[-1]["step"] == 4
+    assert overflows and overflows[0]["ranks"] == [0] and overflows[0]["params"] == {"0": ["0.weight"]}
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_nonfinite_loss_stops_fp32_at_the_next_log_step(tmp_path: Path) -> None:
+    config = _one_process(tmp_path, precision="fp32", task_opt=("poison=loss", "from_step=7"))
+    with pytest.raises(TrainingHalted, match=r"loss is nan at step 10"):
+        train(config, init_distributed(detect_env({}), device="cpu"))
+
+
+def test_two_ranks_fp16_stop_and_name_the_rank_with_bad_local_gradients(tmp_path: Path) -> None:
+    result = run_train(["--device", "cpu", "--precision", "fp16", "--task", "tests.plugins.nonfinite_task:make_task",
+                        "--task-opt", "poison=2.bias", "--task-opt", "bad_rank=1", "--task-opt", "from_step=3",
+                        "--max-consecutive-skips", "5", "--max-steps", "60", "--batch-size", "16",
+                        "--log-every", "50", "--run-dir", str(tmp_path)], nproc=2)
+    assert result.returncode != 0
+    assert result.stderr.count("ddp_amp: stopped: fp16 loss scaling failed at step 7: 5 consecutive "
+                               "optimizer steps were skipped") == 1  # once, from rank 0
+    assert "--precision bf16" in result.stderr and "lower --lr" in result.stderr
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    overflows = [e for e in events if e.get("event") == "overflow"]
+    assert overflows[0]["step"] == 3
+    assert all(e["ranks"] == [1] and e["params"] == {"1": ["2.bias"]} for e in overflows), overflows
+    assert sum(e["skipped"] for e in overflows) == 5  # every skip is accounted for
+    assert events[-1] == {**events[-1], "event": "halted", "step": 7}
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "checkpoints").exists()
+    assert os.listdir(tmp_path)  # the run dir (config, metrics) is kept for the post-mortem

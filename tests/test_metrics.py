@@ -1,0 +1,122 @@
+"""Rank-0 run log: metrics.jsonl survives a resume, and a 2-rank run shows one progress stream."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+from ddp_amp.config import TrainConfig
+from ddp_amp.dist import init_distributed
+from ddp_amp.env import detect_env
+from ddp_amp.metrics import QuietRunLog, RunLog
+from ddp_amp.train import train
+from tests.multiproc import REPO_ROOT, cli_env
+
+
+def _steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()
+            if "step" in json.loads(line) and "event" not in json.loads(line)]
+
+
+def test_rewind_then_append_has_no_duplicate_or_missing_steps(tmp_path: Path) -> None:
+    log = RunLog(tmp_path, stream=io.StringIO())
+    for step in range(1, 9):  # the lost attempt logged steps 1..8; a checkpoint exists at 5
+        log.metrics({"step": step, "loss": 1.0 / step})
+    log.event({"event": "overflow", "step": 7, "ranks": [0]}, "overflow")
+    log.close()
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 9, "lo')  # killed mid-write
+
+    resumed = RunLog(tmp_path, stream=io.StringIO())
+    assert resumed.rewind_to(5) == 5  # steps 6, 7, 8, the event at 7 and the torn line
+    for step in range(6, 11):
+        resumed.metrics({"step": step, "loss": 1.0 / step})
+    resumed.summary({"step": 10, "loss": 0.1})
+    resumed.close()
+    assert _steps(tmp_path / "metrics.jsonl") == list(range(1, 11))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1] == {"summary": {"step": 10, "loss": 0.1}}
+    assert not any(r.get("event") for r in records)
+
+    again = RunLog(tmp_path, stream=io.StringIO())  # a resume from the end drops only the summary
+    assert again.rewind_to(10) == 1
+    again.close()
+    assert _steps(tmp_path / "metrics.jsonl") == list(range(1, 11))
+
+
+def test_plain_lines_without_a_terminal_and_quiet_other_ranks(tmp_path: Path, capsys: object) -> None:
+    stream = io.StringIO()  # not a TTY: no bar, one line per logged step
+    log = RunLog(tmp_path, stream=stream)
+    log.start_progress(10)
+    for step in (5, 10):
+        log.advance(5)
+        log.metrics({"step": step, "loss": 0.5, "loss_scale": 1024.0})
+    log.close()
+    assert stream.getvalue().splitlines() == ["[ddp_amp] step=5 loss=0.5 loss_scale=1024",
+                                              "[ddp_amp] step=10 loss=0.5 loss_scale=1024"]
+    quiet = QuietRunLog(1)
+    quiet.start_progress(10)
+    quiet.advance()
+    quiet.metrics({"step": 1})
+    assert quiet.rewind_to(0) == 0
+    assert capsys.readouterr().out == ""  # type: ignore[attr-defined]
+
+
+def _run_in_terminal(command: list[str], timeout: float = 120) -> str:
+    """Run `command` with stdout and stderr on a pseudo-terminal; return everything it printed."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
+                            env=cli_env(COLUMNS="120"), cwd=REPO_ROOT, close_fds=True)
+    os.close(follower)
+    chunks = []
+    try:
+        while True:
+            ready, _, _ = select.select([leader], [], [], timeout)
+            if not ready:
+                raise TimeoutError("no output for %ss" % timeout)
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(leader)
+        proc.wait(timeout)
+    assert proc.returncode == 0, b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_two_rank_torchrun_on_a_terminal_shows_one_progress_bar(tmp_path: Path) -> None:
+    output = _run_in_terminal([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc_per_node=2", "-m", "ddp_amp.train", "--device", "cpu",
+                               "--precision", "fp16", "--max-steps", "12", "--log-every", "4",
+                               "--batch-size", "16", "--task-opt", "hidden=16",
+                               "--task-opt", "samples=256", "--run-dir", str(tmp_path)])
+    # tqdm redraws its line with "\r" and ends it with one "\n" when it closes: one
+    # progress stream means exactly one finished bar, and it carries the AMP numbers.
+    lines = output.replace("\r\n", "\n").split("\n")
+    finished = [line.rsplit("\r", 1)[-1] for line in lines if "12/12" in line]
+    assert len(finished) == 1, output
+    assert "train: 100%" in finished[0] and "scale=" in finished[0] and "skipped=0" in finished[0], finished
+    assert "samples/s=" in finished[0]
+    assert "step=4 " not in output  # on a terminal the bar replaces the plain lines
+    assert output.count("summary:") == 1 and "rank 1" not in output
+
+
+def test_a_restarted_run_replaces_its_metrics_instead_of_appending_twice(tmp_path: Path) -> None:
+    config = TrainConfig(task_opt=("hidden=16", "samples=256"), max_steps=10, log_every=5, batch_size=16,
+                         device="cpu", precision="fp32", run_dir=str(tmp_path))
+    for _ in range(2):  # a requeue with no checkpoint starts again from step 0
+        train(config, init_distributed(detect_env({}), device="cpu"))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert _steps(tmp_path / "metrics.jsonl") == [5, 10]
+    assert sum("summary" in r for r in records) == 1
+    assert all(r["step_time"] > 0 and r["peak_mem_mb"] > 0 for r in records if "loss" in r)
