@@ -179,14 +179,24 @@ class Trainer:
         return results
 
     def fit(self) -> dict[str, Any]:
-        """Train for `max_steps` steps, logging every `log_every`; returns the summary record."""
+        """Train for `max_steps` steps, logging every `log_every`; returns the summary record.
+
+        Preemption signals only set a flag while training (see ddp_amp/preempt.py); the
+        previous handlers come back however fit ends, so a failed run still dies on TERM.
+        """
+        self.preemption.install()
+        try:
+            return self._fit()
+        finally:
+            self.preemption.restore()
+
+    def _fit(self) -> dict[str, Any]:
         self.model.train()
         started = window_start = time.perf_counter()
         started_step = self.step
         window_samples, window_steps = self.samples_seen, self.step
         loss = self.last_loss
         self.run_log.start_progress(self.config.max_steps, self.step)
-        self.preemption.install()  # signal -> flag only; restored when fit returns
         while self.step < self.config.max_steps:
             loss = self.train_step()
             self.run_log.advance()
@@ -202,7 +212,6 @@ class Trainer:
                 self._checkpoint_or_raise()
             if self.step < self.config.max_steps and self.preemption.should_stop(self.step):
                 return self.stop_for_preemption()
-        self.preemption.restore()
         self.watch.finish(self.step)
         elapsed = time.perf_counter() - started
         self._checkpoint_or_raise()  # the final one; a halted run raised before reaching it
@@ -222,7 +231,6 @@ class Trainer:
 
     def stop_for_preemption(self) -> dict[str, Any]:
         """Checkpoint and requeue after an agreed preemption signal; the stop record (collective)."""
-        self.preemption.restore()
         self.watch.finish(self.step)
         return stop_for_preemption(self.save_checkpoint, self.ctx.is_main,
                                    self.config.preempt_requeue == "auto", self.step,
