@@ -82,6 +82,17 @@ class TrainConfig:
     preempt_requeue: str = _opt("auto", "after a preemption stop: auto (rank 0 runs `scontrol "
                                 "requeue $SLURM_JOB_ID` under SLURM) or never", ("auto", "never"))
 
+    # --- performance fast paths (issue 5: bench) ---
+    compile: bool = _opt(False, "torch.compile the model (inside the autocast wrapper, under DDP); "
+                         "the first steps pay the compile time")
+    grad_comm_dtype: str = _opt("fp32", "dtype DDP all-reduces gradients in: fp32, or bf16/fp16 "
+                                "compression (half the traffic, less precise sums)", ("fp32", "bf16", "fp16"))
+    static_graph: bool = _opt(False, "tell DDP the graph is the same every step (same parameters "
+                              "used, no data-dependent control flow); lets it skip per-step work")
+    optimizer_impl: str = _opt("auto", "optimizer kernels for adamw/sgd: auto (fused where "
+                               "available, else foreach), fused, foreach, forloop",
+                               ("auto", "fused", "foreach", "forloop"))
+
     def __post_init__(self) -> None:
         positive = {"max_steps": self.max_steps, "batch_size": self.batch_size,
                     "grad_accum": self.grad_accum, "log_every": self.log_every}

@@ -10,10 +10,22 @@ both of GradScaler's paths:
 - `unscale_` (plain and foreach optimizers, and any explicit unscale before clipping);
 - `_check_inf_per_device` (fused optimizers, where `step` hands the flag to the optimizer
   as a device tensor). The agreed flag stays on the device: no `.item()` on this path.
+
+Fast path (skip the all-reduce when it is provably redundant): the caller may declare, on
+every rank right after a synced DDP backward, which parameters' gradients came out of
+DDP's all-reduce (`mark_reduced`). Those gradients are then identical on every rank, so a
+local inf/NaN check gives the same answer everywhere: a non-finite local gradient makes the
+reduced sum non-finite on every rank, and every rank then checks the same tensor. At
+unscale time the scaler verifies the declaration: every gradient the optimizer will step
+must be the very tensor that was marked, with an unchanged version counter (`_version`,
+bumped by every in-place write; DDP's bucket views share one counter per bucket, so any
+write to any gradient of a bucket counts). If anything changed, it falls back to the
+all-reduce. The declaration must be made (or not) on all ranks alike, as the Trainer does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -48,6 +60,10 @@ class AgreedGradScaler(torch.amp.GradScaler):
         # device-to-host sync on CUDA.
         self._last_skipped: torch.Tensor | None = None
         self._skipped_total: torch.Tensor | None = None
+        # --- fast path: skip the agreement when DDP provably reduced every gradient ---
+        self.skip_when_reduced = True  # False: always all-reduce (for measuring its cost)
+        self.agreements_skipped = 0  # collectives saved by the fast path (host int, no sync)
+        self._reduced: dict[int, tuple[torch.Tensor, int]] | None = None
 
     def _has_peers(self) -> bool:
         return dist.is_initialized() and dist.get_world_size(self.process_group) > 1
@@ -59,17 +75,49 @@ class AgreedGradScaler(torch.amp.GradScaler):
         for flag in found_inf_per_device.values():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
 
+    def mark_reduced(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Declare that these parameters' gradients were just produced by DDP's all-reduce.
+
+        Call on every rank, right after a backward in which DDP synchronised gradients
+        (not inside `no_sync`), before anything else touches them. The next unscale skips
+        the found-inf all-reduce if every gradient it sees is still exactly what was marked.
+        """
+        self._reduced = {id(p): (p.grad, p.grad._version) for p in params if p.grad is not None}
+
+    def _proven_reduced(self, optimizer: torch.optim.Optimizer) -> bool:
+        """True if every gradient of `optimizer` is a marked, unmodified DDP-reduced tensor."""
+        if not self.skip_when_reduced or not self._reduced:
+            return False
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                mark = self._reduced.get(id(param))
+                if mark is None or mark[0] is not param.grad or mark[1] != param.grad._version:
+                    return False
+        return True
+
+    def _agree_unless_proven(self, proven: bool, found_inf_per_device: dict[Any, torch.Tensor]) -> None:
+        if proven and self._has_peers():
+            self.agreements_skipped += 1
+        else:
+            self._agree(found_inf_per_device)
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        # The proof is checked before unscaling, because unscaling writes the gradients.
+        proven = self._enabled and self._proven_reduced(optimizer)
         super().unscale_(optimizer)
         if self._enabled:
-            self._agree(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
+            self._agree_unless_proven(proven, self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        proven = self._proven_reduced(optimizer)
         found_inf_per_device = super()._check_inf_per_device(optimizer)
-        self._agree(found_inf_per_device)
+        self._agree_unless_proven(proven, found_inf_per_device)
         return found_inf_per_device
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        self._reduced = None  # a declaration holds for one step only
         if self._enabled and self._scale is not None:
             flags = [flag.to(self._scale.device, non_blocking=True)
                      for state in self._per_optimizer_states.values()

@@ -31,6 +31,7 @@ from ddp_amp import checkpoint
 from ddp_amp.autocast import AutocastModule, unwrap_model
 from ddp_amp.config import TrainConfig
 from ddp_amp.data import BatchStream, to_device
+from ddp_amp.ddp_setup import grads_were_synced, optimizer_kwargs, reduced_params, wrap_model
 from ddp_amp.dist import DistContext, all_reduce_
 from ddp_amp.lossscale import LossScaleOptions
 from ddp_amp.metrics import RunLog, peak_memory_mb
@@ -48,17 +49,18 @@ def seed_everything(seed: int) -> None:
 
 
 def make_optimizer(task: Task, choice: str, params: list[nn.Parameter], lr: float,
-                   device: torch.device) -> torch.optim.Optimizer:
+                   device: torch.device, impl: str = "auto") -> torch.optim.Optimizer:
     """The task's own optimizer for `auto` when it has one, else AdamW or SGD, fused where possible."""
     if choice == "auto" and task.make_optimizer is not None:
         return task.make_optimizer(params, lr)
     kind = torch.optim.SGD if choice == "sgd" else torch.optim.AdamW
-    try:
-        # Fused kernels take the scaler's inv-scale and found-inf as device tensors, so
-        # the step needs no `.item()` (FACTS.md: fused AdamW ~9x foreach on CPU).
-        return kind(params, lr=lr, fused=True)
-    except (RuntimeError, ValueError):
-        return kind(params, lr=lr, foreach=device.type == "cuda")
+    attempts = optimizer_kwargs(impl, device)
+    for kwargs in attempts[:-1]:
+        try:
+            return kind(params, lr=lr, **kwargs)
+        except (RuntimeError, ValueError):
+            continue
+    return kind(params, lr=lr, **attempts[-1])
 
 
 class Trainer:
@@ -71,7 +73,8 @@ class Trainer:
         self.model = self._wrap(task.model.to(self.device))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(task, config.optimizer, self.params,
-                                        config.lr or task.default_lr, self.device)
+                                        config.lr or task.default_lr, self.device, config.optimizer_impl)
+        self._reduced_params = reduced_params(self.model)
         self.scheduler = task.make_scheduler(self.optimizer) if task.make_scheduler else None
         self.scaler = precision.make_scaler(**LossScaleOptions.from_config(config).scaler_kwargs())
         named = [(n, p) for n, p in self.autocast_model.unwrap().named_parameters() if p.requires_grad]
@@ -91,14 +94,11 @@ class Trainer:
         self._saved_step: int | None = None
 
     def _wrap(self, model: nn.Module) -> nn.Module:
-        wrapped = AutocastModule(model, self.precision.device_type, self.precision.dtype,
-                                 enabled=self.precision.autocast_enabled)
-        if not self.ctx.has_group:
-            return wrapped
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        # Gradients as views into DDP's buckets save one copy and the memory of a second
-        # set of gradients; it is valid because we never keep .grad across steps.
-        return DDP(wrapped, device_ids=device_ids, gradient_as_bucket_view=True)
+        """DDP(AutocastModule(model)), with the fast paths of the config (see ddp_setup.py)."""
+        return wrap_model(model, self.device, self.precision.device_type, self.precision.dtype,
+                          self.precision.autocast_enabled, self.ctx.has_group,
+                          compile_model=self.config.compile, static_graph=self.config.static_graph,
+                          grad_comm_dtype=self.config.grad_comm_dtype)
 
     @property
     def autocast_model(self) -> AutocastModule:
@@ -118,6 +118,10 @@ class Trainer:
                     loss = self.task.loss_fn(output, target) / accum
                 self.scaler.scale(loss).backward()
             step_loss += loss.detach().float()
+        if self.scaler.is_enabled() and self._reduced_params and grads_were_synced(self.model):
+            # Nothing touches the gradients between DDP's all-reduce and the unscale below,
+            # on any rank, so the scaler may skip its found-inf all-reduce (scaler.py).
+            self.scaler.mark_reduced(self._reduced_params)
         if self.config.clip_grad_norm > 0:
             self.scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.params, self.config.clip_grad_norm)

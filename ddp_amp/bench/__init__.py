@@ -1,0 +1,7 @@
+"""`python -m ddp_amp.bench`: measured AMP speed-up, launcher overhead and fast-path figures.
+
+Modules: `recipe` (the AMP recipe's network, data and hand-written loop), `amp_recipe`
+(fp32 / fp16 / bf16 trials), `overhead` (hand loop vs Trainer, interleaved), `fastpaths`
+(one paired ratio per fast path), `stats` (interleaving, paired ratios), `procs` (fresh
+processes and ranks), `table` (text output), `__main__` (the command line).
+"""

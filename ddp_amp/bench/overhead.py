@@ -1,0 +1,129 @@
+"""Section 2: what ddp_amp's Trainer costs over the hand-written recipe loop, per step.
+
+Contenders run interleaved in blocks inside one run on the same ranks (stats.py):
+- `hand`: the recipe loop (autocast + GradScaler + DDP + scaler.step/update, recipe.py);
+- `trainer`: ddp_amp's `Trainer.train_step` (AutocastModule under DDP, AgreedGradScaler);
+- on the tiny model also `always_agree`: the Trainer with the scaler's fast path off, so
+  the found-inf all-reduce runs every step; `always_agree / trainer` is the cost of the
+  agreed overflow decision that the fast path saves. The same pair is measured once more
+  with fp32 compute (`agreement_cost`), where a CPU's slow fp16 kernels cannot hide it.
+Both loops get the same model init, the same pre-made batches, the same precision, the
+same optimizer kernels and the same DDP options, so the ratio is the launcher's own cost.
+The Trainer's data stream is replaced by the same pre-made batches the hand loop uses.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ddp_amp.bench.procs import run_ranks
+from ddp_amp.bench.recipe import HandLoop, RecipeSize, make_batches, seeded_model
+from ddp_amp.bench.stats import interleave, median_ms, paired_ratio
+from ddp_amp.config import TrainConfig
+from ddp_amp.dist import DistContext
+from ddp_amp.metrics import QuietRunLog
+from ddp_amp.precision import Precision
+from ddp_amp.tasks import Task
+from ddp_amp.trainer import Trainer
+
+TINY = RecipeSize(width=256, batch=64, layers=2)  # Python overhead dominates its step
+N_BATCHES = 8  # distinct pre-made batches per rank, cycled
+
+
+def make_trainer(ctx: DistContext, size: RecipeSize, precision: Precision,
+                 batches: list[tuple[torch.Tensor, torch.Tensor]], **options: Any) -> Trainer:
+    """A Trainer on the recipe model whose data stream is the given pre-made batches."""
+    config = TrainConfig(batch_size=size.batch * ctx.world_size, max_steps=10**9, log_every=10**9,
+                         optimizer="sgd", lr=1e-3, precision=precision.name, device=ctx.device.type,
+                         **options)
+    inputs = torch.cat([x.cpu() for x, _ in batches])
+    targets = torch.cat([y.cpu() for _, y in batches])
+    task = Task(model=seeded_model(size, ctx.device), train_data=TensorDataset(inputs, targets),
+                loss_fn=nn.functional.mse_loss, name="bench")
+    trainer = Trainer(config, task, ctx, precision, QuietRunLog(ctx.rank))
+    trainer.stream = itertools.cycle(batches)  # type: ignore[assignment]
+    return trainer
+
+
+def _hand_like(ctx: DistContext, size: RecipeSize, precision: Precision, trainer: Trainer) -> HandLoop:
+    """The hand loop with the Trainer's optimizer kernels and DDP options."""
+    fused = bool(trainer.optimizer.defaults.get("fused"))
+    return HandLoop(seeded_model(size, ctx.device), precision, ctx.device, ctx.has_group,
+                    fused=fused, bucket_view=True)
+
+
+def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: int, steps: int,
+             with_agree_cost: bool) -> dict[str, Any]:
+    """Collective: every rank runs the same interleaved schedule; rank 0's timings count."""
+    precision = Precision(precision_name, ctx.device.type)  # type: ignore[arg-type]
+    batches = make_batches(size, N_BATCHES, ctx.device, seed=1 + ctx.rank)
+    cycle = itertools.cycle(batches)
+    trainer = make_trainer(ctx, size, precision, batches)
+    hand = _hand_like(ctx, size, precision, trainer)
+    names = ["hand", "trainer"]
+    contenders = [lambda: hand.step(next(cycle)), lambda: trainer.train_step()]
+    if with_agree_cost:
+        always = make_trainer(ctx, size, precision, batches)
+        always.scaler.skip_when_reduced = False
+        names.append("always_agree")
+        contenders.append(lambda: always.train_step())
+    interleave(contenders, 1, 3, ctx.device)  # warm-up, not counted
+    times = interleave(contenders, blocks, steps, ctx.device)
+    result: dict[str, Any] = {
+        "size": asdict(size), "precision": precision_name, "ranks": ctx.world_size,
+        "blocks": blocks, "steps_per_block": steps,
+        "step_ms": {name: median_ms(t) for name, t in zip(names, times)},
+        "trainer_over_hand": paired_ratio(times[0], times[1]),
+        "agreements_skipped": trainer.scaler.agreements_skipped,
+    }
+    if with_agree_cost:
+        result["always_agree_over_trainer"] = paired_ratio(times[1], times[2])
+        result["always_agree_skipped"] = always.scaler.agreements_skipped
+    return result
+
+
+def _agreement_cost(ctx: DistContext, blocks: int, steps: int) -> dict[str, Any]:
+    """Tiny model, loss scaling on but fp32 compute: the agreement's cost without slow fp16 kernels.
+
+    On a CPU without fp16 units a tiny fp16 step is ~4x slower than fp32 (FACTS.md), which
+    hides a ~0.2 ms collective in noise; with autocast off the step is as short as it gets
+    while the scaler still runs its found-inf check and (without the fast path) all-reduce.
+    Collective: every rank runs the same schedule.
+    """
+    precision = Precision("fp16", ctx.device.type)
+    batches = make_batches(TINY, N_BATCHES, ctx.device, seed=1 + ctx.rank)
+    fast = make_trainer(ctx, TINY, precision, batches)
+    always = make_trainer(ctx, TINY, precision, batches)
+    always.scaler.skip_when_reduced = False
+    for trainer in (fast, always):
+        trainer.autocast_model.enabled = False
+    contenders = [lambda: fast.train_step(), lambda: always.train_step()]
+    interleave(contenders, 1, 3, ctx.device)
+    # The steps are short: more and longer blocks for the same wall time.
+    times = interleave(contenders, 2 * blocks, 4 * steps, ctx.device)
+    return {"size": asdict(TINY), "compute": "fp32 with loss scaling (autocast off)", "ranks": ctx.world_size,
+            "blocks": 2 * blocks, "steps_per_block": 4 * steps,
+            "step_ms": {"fast_path": median_ms(times[0]), "always_agree": median_ms(times[1])},
+            "always_agree_over_fast_path": paired_ratio(times[0], times[1]),
+            "agreements_skipped": fast.scaler.agreements_skipped}
+
+
+def _measure_both(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: int,
+                  steps: int) -> dict[str, Any]:
+    """Collective: the recipe model, then the tiny model with the agreement's cost."""
+    return {"recipe_model": _measure(ctx, size, precision_name, blocks, steps, False),
+            "tiny_model": _measure(ctx, TINY, precision_name, blocks, steps, True),
+            "agreement_cost": _agreement_cost(ctx, blocks, steps)}
+
+
+def run(device: str, ranks: int, scale: float, precision: str, blocks: int, steps: int,
+        threads: int = 0) -> dict[str, Any]:
+    """The overhead on the (scaled) recipe model and on the tiny model, `ranks` processes."""
+    return run_ranks(_measure_both, ranks, device, RecipeSize().scaled(scale), precision, blocks, steps,
+                     threads=threads)[0]

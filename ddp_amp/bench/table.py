@@ -1,0 +1,80 @@
+"""The benchmark's figures as readable text tables (the JSON holds the same numbers)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def grid(headers: list[str], rows: list[list[Any]]) -> str:
+    """Left-aligned columns separated by two spaces, with a rule under the header."""
+    cells = [headers] + [[_num(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def ratio_text(ratio: dict[str, float]) -> str:
+    """'1.02 [IQR 0.99-1.05, min-max 0.95-1.10, n=20]'."""
+    return (f"{ratio['median']:.3f} [IQR {ratio['q1']:.3f}-{ratio['q3']:.3f}, "
+            f"min-max {ratio['min']:.3f}-{ratio['max']:.3f}, n={ratio['pairs']}]")
+
+
+def recipe_table(section: dict[str, Any]) -> str:
+    size = section["size"]
+    title = (f"AMP recipe: {size['layers']} x Linear({size['width']},{size['width']}) (+ReLU), batch "
+             f"{size['batch']}, {section['batches']} batches x {section['epochs']} epochs, "
+             f"scale {section['scale']:g}; memory = {section['memory']}")
+    rows = [[t["precision"], t["total_s"], t["step_ms"], t["peak_mem_mb"], t["peak_over_start_mb"],
+             t["speedup_vs_fp32"], t["tflops"], t["mfu_vs_bf16_peak"]] if "total_s" in t else
+            [t["precision"], "skipped: " + t["skipped"], "", "", "", "", "", ""] for t in section["trials"]]
+    return title + "\n" + grid(["trial", "total_s", "step_ms", "peak_mem_mb", "over_start_mb",
+                                "speedup_vs_fp32", "TFLOP/s", "MFU_vs_bf16_peak"], rows)
+
+
+def overhead_table(section: dict[str, Any]) -> str:
+    parts = []
+    for key, label in (("recipe_model", "recipe model"), ("tiny_model", "tiny model")):
+        run = section[key]
+        size = run["size"]
+        steps = ", ".join(f"{name} {ms:.3g} ms" for name, ms in run["step_ms"].items())
+        lines = [f"Overhead, {label} ({size['layers']} x Linear({size['width']},{size['width']}), batch "
+                 f"{size['batch']}/rank, {run['precision']}, {run['ranks']} ranks, {run['blocks']} blocks x "
+                 f"{run['steps_per_block']} steps, interleaved): median step {steps}",
+                 f"  trainer / hand-written recipe: {ratio_text(run['trainer_over_hand'])}",
+                 f"  found-inf all-reduces skipped by the trainer's fast path: {run['agreements_skipped']}"]
+        if "always_agree_over_trainer" in run:
+            lines.append("  agreed overflow decision, all-reduce every step / fast path: "
+                         + ratio_text(run["always_agree_over_trainer"]))
+        parts.append("\n".join(lines))
+    cost = section["agreement_cost"]
+    parts.append(f"Agreed overflow decision, tiny model, {cost['compute']}, {cost['ranks']} ranks, "
+                 f"{cost['blocks']} blocks x {cost['steps_per_block']} steps: median step "
+                 f"fast path {cost['step_ms']['fast_path']:.3g} ms, all-reduce every step "
+                 f"{cost['step_ms']['always_agree']:.3g} ms\n  all-reduce every step / fast path: "
+                 + ratio_text(cost["always_agree_over_fast_path"]))
+    return "\n".join(parts)
+
+
+def fastpaths_table(section: dict[str, Any]) -> str:
+    size = section["size"]
+    title = (f"Fast paths ({size['layers']} x Linear({size['width']},{size['width']}), batch {size['batch']}/rank, "
+             f"{section['precision']}, {section['ranks']} ranks): ratio = step time on / off, < 1 is faster")
+    rows = []
+    for row in section["rows"]:
+        if "skipped" in row:
+            rows.append([row["name"], "-", "-", "skipped: " + row["skipped"]])
+        else:
+            rows.append([row["name"], row["off_ms"], row["on_ms"], ratio_text(row["ratio"])])
+    return title + "\n" + grid(["fast path", "off_ms", "on_ms", "ratio on/off [spread]"], rows)

@@ -1,0 +1,106 @@
+"""How the model is wrapped for speed: compile, autocast, DDP and its gradient communication.
+
+The order is `DDP(AutocastModule(torch.compile(user_model)))`: compiling the user's module
+alone keeps autocast and DDP's hooks outside the compiled graph, so the compiled code sees
+plain tensors and autocast stays the wrapper's job (thread-local, see autocast.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_amp.autocast import AutocastModule
+from ddp_amp.errors import UsageError
+
+CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+# Compression hooks cast each bucket, all-reduce it in the small dtype and cast back. The
+# sum is the same tensor on every rank, so the scaler's fast path still holds. torch's own
+# hooks serve NCCL; its bf16 hook refuses other backends, though gloo sums bf16 fine.
+_NCCL_HOOKS: dict[str, CommHook] = {"fp16": default_hooks.fp16_compress_hook,
+                                    "bf16": default_hooks.bf16_compress_hook}
+_COMM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _cast_hook(dtype: torch.dtype) -> CommHook:
+    """A comm hook that averages each bucket in `dtype` (for backends other than NCCL)."""
+    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        group = state if state is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        # Divide before the sum so the small dtype holds the mean, not the larger total.
+        compressed = buffer.to(dtype).div_(dist.get_world_size(group))
+        future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+        def back_to_buffer(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            buffer.copy_(done.value()[0])
+            return buffer
+        return future.then(back_to_buffer)
+    # DDP checks the hook's annotations as objects; this module's are strings (PEP 563).
+    hook.__annotations__ = {"state": Any, "bucket": dist.GradBucket,
+                            "return": torch.futures.Future[torch.Tensor]}
+    return hook
+
+
+def comm_hook(grad_comm_dtype: str, backend: str = "gloo") -> CommHook | None:
+    """The DDP comm hook for `--grad-comm-dtype`, or None for DDP's own fp32 all-reduce."""
+    if grad_comm_dtype not in _COMM_DTYPES:
+        raise UsageError("--grad-comm-dtype", grad_comm_dtype, "one of " + ", ".join(_COMM_DTYPES), "")
+    dtype = _COMM_DTYPES[grad_comm_dtype]
+    if dtype is None:
+        return None
+    return _NCCL_HOOKS[grad_comm_dtype] if backend == "nccl" else _cast_hook(dtype)
+
+
+def wrap_model(model: nn.Module, device: torch.device, device_type: str, dtype: torch.dtype,
+               autocast: bool, distributed: bool, compile_model: bool = False,
+               static_graph: bool = False, grad_comm_dtype: str = "fp32",
+               bucket_view: bool = True) -> nn.Module:
+    """Build `DDP(AutocastModule(model))` (or without DDP for a world of one) with the fast paths.
+
+    `bucket_view`: gradients as views into DDP's buckets save one copy per step and the
+    memory of a second set of gradients; valid because nobody keeps `.grad` across steps.
+    """
+    hook = comm_hook(grad_comm_dtype, dist.get_backend() if distributed else "gloo")
+    inner = torch.compile(model) if compile_model else model
+    wrapped = AutocastModule(inner, device_type, dtype, enabled=autocast)
+    if not distributed:
+        return wrapped
+    device_ids = [device.index] if device.type == "cuda" else None
+    ddp = DDP(wrapped, device_ids=device_ids, gradient_as_bucket_view=bucket_view,
+              static_graph=static_graph)
+    if hook is not None:
+        ddp.register_comm_hook(state=None, hook=hook)
+    return ddp
+
+
+def reduced_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters whose gradients DDP all-reduces (none for a model without DDP)."""
+    if not isinstance(model, DDP):
+        return []
+    ignored = model.parameters_to_ignore
+    return [p for name, p in model.module.named_parameters() if p.requires_grad and name not in ignored]
+
+
+def grads_were_synced(model: nn.Module) -> bool:
+    """True if the backward that just ran let DDP all-reduce (not inside `no_sync`)."""
+    return isinstance(model, DDP) and bool(model.require_backward_grad_sync)
+
+
+def optimizer_kwargs(impl: str, device: torch.device) -> list[dict[str, bool]]:
+    """Keyword choices to try in order for `--optimizer-impl` (fused may be unavailable)."""
+    if impl == "fused":
+        return [{"fused": True}]
+    if impl == "foreach":
+        return [{"foreach": True}]
+    if impl == "forloop":
+        return [{"foreach": False}]
+    # auto: fused kernels take the scaler's inv-scale and found-inf as device tensors, so
+    # the step needs no `.item()`; foreach is the next best (FACTS.md: fused ~9x on CPU).
+    return [{"fused": True}, {"foreach": device.type == "cuda"}]

@@ -1,0 +1,75 @@
+"""`python -m ddp_amp.bench`: --help, and a tiny CPU run of every section with its JSON.
+
+Structure and sanity only (every trial printed, ratios positive and finite); speed targets
+are the benchmark's business, not the tests'.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.multiproc import REPO_ROOT, cli_env
+
+
+def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ddp_amp.bench", *args], capture_output=True, text=True,
+                          timeout=timeout, env=cli_env(), cwd=REPO_ROOT)
+
+
+def _sane_ratio(ratio: dict[str, Any]) -> None:
+    for key in ("median", "q1", "q3", "min", "max"):
+        assert math.isfinite(ratio[key]) and ratio[key] > 0, ratio
+    assert ratio["min"] <= ratio["q1"] <= ratio["median"] <= ratio["q3"] <= ratio["max"], ratio
+    assert ratio["pairs"] >= 2
+
+
+def test_help_describes_every_section() -> None:
+    result = _bench("--help", timeout=60)
+    assert result.returncode == 0, result.stderr
+    for word in ("--json", "--scale", "--sections", "overhead", "fastpaths", "GradScaler", "peak RSS"):
+        assert word in result.stdout, word
+
+
+def test_bad_section_is_a_one_line_usage_error() -> None:
+    result = _bench("--sections", "recipe,nope", timeout=60)
+    assert result.returncode == 2
+    assert "nope" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_tiny_cpu_run_prints_every_figure_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = _bench("--device", "cpu", "--scale", "0.004", "--batches", "2", "--epochs", "1",
+                    "--blocks", "2", "--steps-per-block", "1", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stdout
+    for trial in ("fp32", "fp16", "bf16"):
+        assert f"\n{trial} " in text, trial
+    assert "trainer / hand-written recipe:" in text and "IQR" in text
+    assert "agreed overflow decision" in text and "pinned non-blocking H2D copy" in text
+
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["torch"] == __import__("torch").__version__
+    assert report["date"] and report["device_name"]
+    recipe = report["sections"]["recipe"]
+    assert [t["precision"] for t in recipe["trials"]] == ["fp32", "fp16", "bf16"]
+    for trial in recipe["trials"]:
+        assert trial["total_s"] > 0 and trial["peak_mem_mb"] > 0 and trial["speedup_vs_fp32"] > 0
+        assert math.isfinite(trial["final_loss"])
+    overhead = report["sections"]["overhead"]
+    for model in ("recipe_model", "tiny_model"):
+        _sane_ratio(overhead[model]["trainer_over_hand"])
+        # every fp16 step of the Trainer proved DDP's reduction and skipped the extra all-reduce
+        assert overhead[model]["agreements_skipped"] >= 2
+    _sane_ratio(overhead["tiny_model"]["always_agree_over_trainer"])
+    assert overhead["tiny_model"]["always_agree_skipped"] == 0
+    rows = {row["name"]: row for row in report["sections"]["fastpaths"]["rows"]}
+    assert "skipped" in rows["pinned non-blocking H2D copy"]
+    measured = [row for row in rows.values() if "ratio" in row]
+    assert len(measured) >= 5
+    for row in measured:
+        _sane_ratio(row["ratio"])

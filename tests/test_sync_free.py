@@ -1,0 +1,54 @@
+"""No device-to-host synchronisation in a steady-state fp16 training step on a GPU.
+
+Runs only where CUDA exists (`cuda` marker). fp16 with a fused optimizer, not a logging
+step: `torch.cuda.set_sync_debug_mode("error")` turns any synchronising call (`.item()`,
+a blocking copy to the host, a `nonzero`) into an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ddp_amp.bench.overhead import make_trainer
+from ddp_amp.bench.procs import run_ranks
+from ddp_amp.bench.recipe import RecipeSize, make_batches
+from ddp_amp.dist import DistContext
+from ddp_amp.precision import Precision
+
+SIZE = RecipeSize(width=256, batch=64, layers=3)
+
+
+def _steps_without_sync(ctx: DistContext, optimizer_impl: str) -> dict[str, Any]:
+    precision = Precision("fp16", "cuda")
+    batches = make_batches(SIZE, 4, ctx.device, seed=ctx.rank)
+    trainer = make_trainer(ctx, SIZE, precision, batches, optimizer_impl=optimizer_impl)
+    for _ in range(3):  # warm-up: lazy inits (scale tensor, optimizer state, DDP buckets)
+        trainer.train_step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            trainer.train_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return {"fused": bool(trainer.optimizer.defaults.get("fused")), "steps": trainer.step,
+            "skipped_collectives": trainer.scaler.agreements_skipped}
+
+
+@pytest.mark.cuda
+def test_single_gpu_fp16_fused_step_has_no_host_sync() -> None:
+    result = run_ranks(_steps_without_sync, 1, "cuda", "fused")[0]
+    assert result["fused"] and result["steps"] == 8
+
+
+@pytest.mark.cuda
+def test_ddp_fp16_fused_step_has_no_host_sync() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs: two nccl ranks cannot share one GPU")
+    results = run_ranks(_steps_without_sync, 2, "cuda", "fused")
+    assert all(r["fused"] and r["steps"] == 8 for r in results)
+    # the scaler's fast path: no found-inf all-reduce in any of the 8 steps
+    assert all(r["skipped_collectives"] == 8 for r in results)
