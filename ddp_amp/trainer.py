@@ -14,6 +14,7 @@ Then, in this order and for these reasons:
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from contextlib import nullcontext
@@ -35,6 +36,7 @@ from ddp_amp.dist import DistContext, all_reduce_
 from ddp_amp.lossscale import LossScaleOptions
 from ddp_amp.metrics import RunLog, peak_memory_mb
 from ddp_amp.precision import Precision
+from ddp_amp.preempt import PreemptionWatch, parse_signals, stop_for_preemption, worker_ignores
 from ddp_amp.tasks import Task
 from ddp_amp.watch import RunWatch
 
@@ -83,8 +85,11 @@ class Trainer:
                               comm_hook=hook)
         if hook is not None and self.watch.probe is None:
             self.model.register_comm_hook(state=None, hook=hook)
+        signums = parse_signals(config.preempt_signal)
+        self.preemption = PreemptionWatch(signums, self.device, config.preempt_check_s, ctx.has_group)
         self.stream = BatchStream(task.train_data, config.micro_batch_size(ctx.world_size), ctx.rank,
-                                  ctx.world_size, config.seed, self.device, config.num_workers)
+                                  ctx.world_size, config.seed, self.device, config.num_workers,
+                                  worker_init_fn=worker_ignores(signums))
         self.step = 0  # optimizer steps attempted; skipped fp16 steps count
         self.samples_seen = 0
         self.last_loss = torch.zeros((), device=self.device)
@@ -183,7 +188,18 @@ class Trainer:
         return results
 
     def fit(self) -> dict[str, Any]:
-        """Train for `max_steps` steps, logging every `log_every`; returns the summary record."""
+        """Train for `max_steps` steps, logging every `log_every`; returns the summary record.
+
+        Preemption signals only set a flag while training (see ddp_amp/preempt.py); the
+        previous handlers come back however fit ends, so a failed run still dies on TERM.
+        """
+        self.preemption.install()
+        try:
+            return self._fit()
+        finally:
+            self.preemption.restore()
+
+    def _fit(self) -> dict[str, Any]:
         self.model.train()
         started = window_start = time.perf_counter()
         started_step = self.step
@@ -203,6 +219,8 @@ class Trainer:
                 window_start, window_samples, window_steps = now, self.samples_seen, self.step
             if self.config.ckpt_every and self.step % self.config.ckpt_every == 0:
                 self._checkpoint_or_raise()
+            if self.step < self.config.max_steps and self.preemption.should_stop(self.step):
+                return self.stop_for_preemption()
         self.watch.finish(self.step)
         elapsed = time.perf_counter() - started
         self._checkpoint_or_raise()  # the final one; a halted run raised before reaching it
@@ -219,6 +237,13 @@ class Trainer:
             **self.evaluate(),
         })
         return summary
+
+    def stop_for_preemption(self) -> dict[str, Any]:
+        """Checkpoint and requeue after an agreed preemption signal; the stop record (collective)."""
+        self.watch.finish(self.step)
+        return stop_for_preemption(self.save_checkpoint, self.ctx.is_main,
+                                   self.config.preempt_requeue == "auto", self.step,
+                                   self.preemption.stopped_by, os.environ, self.run_log.warn)
 
     # --- checkpoints (issue 3: ddp_amp/checkpoint/) ---
 
