@@ -75,6 +75,14 @@ class TrainConfig:
                                       "in a row (0 = never)")
     check_sync_every: int = _opt(0, "every N steps compare a fingerprint of parameters, scaler state "
                                  "and step across ranks and stop if they differ (0 = only after a resume)")
+    # --- preemption (ddp_amp/preempt.py): signal -> agreed stop -> checkpoint -> requeue ---
+    preempt_signal: str = _opt("USR1,TERM", "signals that mean 'checkpoint and stop at the next "
+                               "agreed step' (comma list of USR1, USR2, TERM, INT, HUP, QUIT, or "
+                               "none); match SLURM's --signal and torchrun's --signals-to-handle")
+    preempt_check_s: float = _opt(2.0, "seconds of training between the cross-rank checks of the "
+                                  "preemption flag (each check is one tiny all-reduce)")
+    preempt_requeue: str = _opt("auto", "after a preemption stop: auto (rank 0 runs `scontrol "
+                                "requeue $SLURM_JOB_ID` under SLURM) or never", ("auto", "never"))
 
     # --- performance fast paths (issue 5: bench) ---
     compile: bool = _opt(False, "torch.compile the model (inside the autocast wrapper, under DDP); "

@@ -8,7 +8,7 @@ seed. The position (epoch, micro-batch within the epoch) is part of a checkpoint
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,8 +21,10 @@ class BatchStream:
     """Micro-batches for one rank, epoch after epoch, starting at a saved position."""
 
     def __init__(self, dataset: Dataset, micro_batch_size: int, rank: int, world_size: int,
-                 seed: int, device: torch.device, num_workers: int = 0, shuffle: bool = True) -> None:
+                 seed: int, device: torch.device, num_workers: int = 0, shuffle: bool = True,
+                 worker_init_fn: Callable[[int], None] | None = None) -> None:
         self.dataset = dataset
+        self.worker_init_fn = worker_init_fn
         self.micro_batch_size = micro_batch_size
         self.device = device
         self.num_workers = num_workers
@@ -57,7 +59,8 @@ class BatchStream:
             (self.sampler.seed * 1_000_003 + self.sampler.rank) * 1_000_003 + self.epoch)
         loader = DataLoader(self.dataset, batch_size=self.micro_batch_size, sampler=order,
                             drop_last=True, num_workers=self.num_workers,
-                            pin_memory=self.device.type == "cuda", generator=generator)
+                            pin_memory=self.device.type == "cuda", generator=generator,
+                            worker_init_fn=self.worker_init_fn)
         return iter(loader)
 
     def __iter__(self) -> BatchStream:

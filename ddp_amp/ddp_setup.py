@@ -61,11 +61,13 @@ def comm_hook(grad_comm_dtype: str, backend: str = "gloo") -> CommHook | None:
 def wrap_model(model: nn.Module, device: torch.device, device_type: str, dtype: torch.dtype,
                autocast: bool, distributed: bool, compile_model: bool = False,
                static_graph: bool = False, grad_comm_dtype: str = "fp32",
-               bucket_view: bool = True) -> nn.Module:
+               bucket_view: bool = True, register_comm_hook: bool = True) -> nn.Module:
     """Build `DDP(AutocastModule(model))` (or without DDP for a world of one) with the fast paths.
 
     `bucket_view`: gradients as views into DDP's buckets save one copy per step and the
     memory of a second set of gradients; valid because nobody keeps `.grad` across steps.
+    `register_comm_hook=False` leaves the `--grad-comm-dtype` hook to the caller (DDP takes
+    one hook only; the Trainer hands it to the overflow probe, which wraps it).
     """
     hook = comm_hook(grad_comm_dtype, dist.get_backend() if distributed else "gloo")
     inner = torch.compile(model) if compile_model else model
@@ -75,7 +77,7 @@ def wrap_model(model: nn.Module, device: torch.device, device_type: str, dtype: 
     device_ids = [device.index] if device.type == "cuda" else None
     ddp = DDP(wrapped, device_ids=device_ids, gradient_as_bucket_view=bucket_view,
               static_graph=static_graph)
-    if hook is not None:
+    if hook is not None and register_comm_hook:
         ddp.register_comm_hook(state=None, hook=hook)
     return ddp
 

@@ -62,6 +62,7 @@ class OverflowProbe:
         # overrides the choice (tests drive the GPU's bucket-granularity path on a CPU).
         self._exact = device.type == "cpu" if exact is None else exact
         self._hooked = False
+        self._inner_hook: Any = None
         self._bucket_names: dict[int, list[str]] = {}  # bucket index -> its parameters' names
         self._bucket_seen: dict[int, int] = {}
         self._reset()
@@ -71,13 +72,16 @@ class OverflowProbe:
         self._local_bad = False
         self._bucket_bad: dict[int, torch.Tensor] = {}
 
-    def install(self, model: nn.Module) -> bool:
-        """Register the checking all-reduce as `model`'s DDP comm hook; False if not DDP.
+    def install(self, model: nn.Module, inner_hook: Any = None) -> bool:
+        """Register the checking hook as `model`'s DDP comm hook; False if not DDP.
 
-        Must be called before the first backward (DDP's rule for comm hooks).
+        The check runs on the local bucket, then `inner_hook` (e.g. a `--grad-comm-dtype`
+        compression hook) or DDP's plain all-reduce does the reduction: DDP takes one hook
+        only, so the probe wraps the other. Call before the first backward (DDP's rule).
         """
         if not isinstance(model, DDP):
             return False
+        self._inner_hook = inner_hook
         model.register_comm_hook(state=None, hook=self._hook)
         self._hooked = True
         return True
@@ -98,6 +102,8 @@ class OverflowProbe:
             if seen < 3:
                 self._bucket_seen[index] = seen + 1
                 self._bucket_names[index] = [self._names.get(id(p), "?") for p in bucket.parameters()]
+        if self._inner_hook is not None:
+            return self._inner_hook(None, bucket)
         return allreduce_hook(None, bucket)  # type: ignore[arg-type]
 
     def _note(self, pairs: Any) -> None:

@@ -5,8 +5,8 @@
     srun --ntasks-per-node=4 python -m ddp_amp.train          # inside an allocation
     python -m ddp_amp.train --help                            # every option
 
-Exit codes: 0 done, 2 bad input (one line on stderr; --debug adds the traceback), 1 any
-other failure.
+Exit codes: 0 done, 2 bad input (one line on stderr; --debug adds the traceback), 75
+stopped early by a preemption signal (checkpointed; requeued under SLURM), 1 any other failure.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ddp_amp.dist import DistContext, init_distributed, shutdown_distributed
 from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import TrainingHalted, UsageError
 from ddp_amp.metrics import make_run_log
+from ddp_amp.preempt import EXIT_PREEMPTED
 from ddp_amp.precision import resolve_precision
 from ddp_amp.tasks import load_task
 from ddp_amp.trainer import Trainer, seed_everything
@@ -65,7 +66,8 @@ def train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         if resumed_from is not None:
             trainer.watch.after_resume(trainer.step)  # ranks must agree right after a load
         summary = trainer.fit()
-        run_log.summary(summary)
+        if not summary.get("preempted"):  # summary.json means "finished"; a stop is not
+            run_log.summary(summary)
         return summary
     finally:
         run_log.close()
@@ -81,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_config(argv)
         ctx = init_distributed(env, config.device, config.backend, config.dist_timeout)  # type: ignore[arg-type]
         try:
-            train(config, ctx)
+            summary = train(config, ctx)
         finally:
             shutdown_distributed()
-        return 0
+        return EXIT_PREEMPTED if summary.get("preempted") else 0
     except UsageError as error:
         if debug:
             raise

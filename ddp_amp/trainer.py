@@ -14,6 +14,7 @@ Then, in this order and for these reasons:
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from contextlib import nullcontext
@@ -30,11 +31,12 @@ from ddp_amp import checkpoint
 from ddp_amp.autocast import AutocastModule, unwrap_model
 from ddp_amp.config import TrainConfig
 from ddp_amp.data import BatchStream, to_device
-from ddp_amp.ddp_setup import grads_were_synced, optimizer_kwargs, reduced_params, wrap_model
+from ddp_amp.ddp_setup import comm_hook, grads_were_synced, optimizer_kwargs, reduced_params, wrap_model
 from ddp_amp.dist import DistContext, all_reduce_
 from ddp_amp.lossscale import LossScaleOptions
 from ddp_amp.metrics import RunLog, peak_memory_mb
 from ddp_amp.precision import Precision
+from ddp_amp.preempt import PreemptionWatch, parse_signals, stop_for_preemption, worker_ignores
 from ddp_amp.tasks import Task
 from ddp_amp.watch import RunWatch
 
@@ -76,10 +78,18 @@ class Trainer:
         self.scheduler = task.make_scheduler(self.optimizer) if task.make_scheduler else None
         self.scaler = precision.make_scaler(**LossScaleOptions.from_config(config).scaler_kwargs())
         named = [(n, p) for n, p in self.autocast_model.unwrap().named_parameters() if p.requires_grad]
-        # Installs its DDP comm hook now: DDP takes hooks only before the first backward.
-        self.watch = RunWatch(config, self.model, named, self.scaler, run_log, ctx.rank, precision.name)
+        # DDP takes one comm hook, before the first backward: the overflow probe (fp16) wraps
+        # the --grad-comm-dtype hook; without a probe that hook is registered on its own.
+        hook = comm_hook(config.grad_comm_dtype, ctx.backend or "gloo") if isinstance(self.model, DDP) else None
+        self.watch = RunWatch(config, self.model, named, self.scaler, run_log, ctx.rank, precision.name,
+                              comm_hook=hook)
+        if hook is not None and self.watch.probe is None:
+            self.model.register_comm_hook(state=None, hook=hook)
+        signums = parse_signals(config.preempt_signal)
+        self.preemption = PreemptionWatch(signums, self.device, config.preempt_check_s, ctx.has_group)
         self.stream = BatchStream(task.train_data, config.micro_batch_size(ctx.world_size), ctx.rank,
-                                  ctx.world_size, config.seed, self.device, config.num_workers)
+                                  ctx.world_size, config.seed, self.device, config.num_workers,
+                                  worker_init_fn=worker_ignores(signums))
         self.step = 0  # optimizer steps attempted; skipped fp16 steps count
         self.samples_seen = 0
         self.last_loss = torch.zeros((), device=self.device)
@@ -93,7 +103,7 @@ class Trainer:
         return wrap_model(model, self.device, self.precision.device_type, self.precision.dtype,
                           self.precision.autocast_enabled, self.ctx.has_group,
                           compile_model=self.config.compile, static_graph=self.config.static_graph,
-                          grad_comm_dtype=self.config.grad_comm_dtype)
+                          grad_comm_dtype=self.config.grad_comm_dtype, register_comm_hook=False)
 
     @property
     def autocast_model(self) -> AutocastModule:
@@ -193,7 +203,18 @@ class Trainer:
         return record
 
     def fit(self) -> dict[str, Any]:
-        """Train for `max_steps` steps, logging every `log_every`; returns the summary record."""
+        """Train for `max_steps` steps, logging every `log_every`; returns the summary record.
+
+        Preemption signals only set a flag while training (see ddp_amp/preempt.py); the
+        previous handlers come back however fit ends, so a failed run still dies on TERM.
+        """
+        self.preemption.install()
+        try:
+            return self._fit()
+        finally:
+            self.preemption.restore()
+
+    def _fit(self) -> dict[str, Any]:
         self.model.train()
         started = window_start = time.perf_counter()
         started_step = self.step
@@ -221,6 +242,8 @@ class Trainer:
                 window_start, window_samples, window_steps = now, self.samples_seen, self.step
             if self.config.ckpt_every and self.step % self.config.ckpt_every == 0:
                 self._checkpoint_or_raise()
+            if self.step < self.config.max_steps and self.preemption.should_stop(self.step):
+                return self.stop_for_preemption()
         self.watch.finish(self.step)
         elapsed = time.perf_counter() - started
         self._checkpoint_or_raise()  # the final one; a halted run raised before reaching it
@@ -239,6 +262,13 @@ class Trainer:
             **{key: value for key, value in last_eval.items() if key != "step"},
         })
         return summary
+
+    def stop_for_preemption(self) -> dict[str, Any]:
+        """Checkpoint and requeue after an agreed preemption signal; the stop record (collective)."""
+        self.watch.finish(self.step)
+        return stop_for_preemption(self.save_checkpoint, self.ctx.is_main,
+                                   self.config.preempt_requeue == "auto", self.step,
+                                   self.preemption.stopped_by, os.environ, self.run_log.warn)
 
     # --- checkpoints (issue 3: ddp_amp/checkpoint/) ---
 

@@ -35,7 +35,8 @@ class RunWatch:
     """Loss-scale guard, overflow forensics and the rank-consistency guard for one rank."""
 
     def __init__(self, config: TrainConfig, model: nn.Module, named_params: list[tuple[str, nn.Parameter]],
-                 scaler: AgreedGradScaler, run_log: RunLog, rank: int, precision: str) -> None:
+                 scaler: AgreedGradScaler, run_log: RunLog, rank: int, precision: str,
+                 comm_hook: Any = None) -> None:
         self.scaler, self.run_log, self.precision = scaler, run_log, precision
         self.named_params = named_params
         self.options = LossScaleOptions.from_config(config)
@@ -45,7 +46,7 @@ class RunWatch:
         self.probe: OverflowProbe | None = None
         if scaler.is_enabled() and device is not None:
             self.probe = OverflowProbe(named_params, rank, device)
-            self.probe.install(model)
+            self.probe.install(model, inner_hook=comm_hook)
         limit = self.options.max_consecutive_skips or config.log_every
         # A CPU reads device flags for free; on a GPU each read is a sync, so read at most
         # every log step and often enough to stop a skip streak near its limit.

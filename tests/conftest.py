@@ -33,3 +33,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# The real local Slurm cluster (slurm/local_cluster.py), started once per session on demand.
+from tests.slurm_cluster import slurm_cluster  # noqa: E402,F401

@@ -14,8 +14,10 @@ from tests.multiproc import run_train
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_torchrun_two_ranks_trains_in_every_precision(precision: str, tmp_path: Path) -> None:
+    # fp16 also runs with gradient compression: its overflow probe must wrap that DDP hook
+    extra = ["--grad-comm-dtype", "bf16"] if precision == "fp16" else []
     result = run_train(["--task", "mlp", "--precision", precision, "--max-steps", "30", "--log-every", "10",
-                        "--task-opt", "hidden=32", "--run-dir", str(tmp_path)], nproc=2)
+                        "--task-opt", "hidden=32", "--run-dir", str(tmp_path), *extra], nproc=2)
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["precision"] == precision and summary["steps"] == 30

@@ -1,0 +1,121 @@
+"""Preemption: a signal on any rank stops every rank at the same step, in normal control flow."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ddp_amp.config import TrainConfig
+from ddp_amp.dist import DistContext
+from ddp_amp.errors import UsageError
+from ddp_amp.metrics import QuietRunLog
+from ddp_amp.preempt import EXIT_PREEMPTED, parse_signals, requeue_slurm_job
+from ddp_amp.precision import resolve_precision
+from ddp_amp.tasks import load_task
+from ddp_amp.trainer import Trainer, seed_everything
+from ddp_amp.train import main
+from tests.multiproc import REPO_ROOT, cli_env, run_ranks
+from tests.slurm_cluster import Cluster
+
+SMALL_MLP = ("in_size=16", "hidden=32", "out_size=4", "samples=512")
+
+
+def test_parse_signals_accepts_names_and_none() -> None:
+    assert parse_signals("USR1,sigterm,SIGUSR1") == (signal.SIGUSR1, signal.SIGTERM)
+    assert parse_signals("none") == ()
+    with pytest.raises(UsageError, match="--preempt-signal"):
+        parse_signals("USR1,KILL")
+
+
+def test_cli_rejects_an_unknown_signal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--preempt-signal", "STOP", "--device", "cpu", "--run-dir", str(tmp_path)]) == 2
+    assert "--preempt-signal" in capsys.readouterr().err
+
+
+class _SignalledTrainer(Trainer):
+    """Rank `victim` sends itself a real signal after step `at`; nothing else differs."""
+
+    victim, at, signum = 1, 3, signal.SIGUSR1
+
+    def train_step(self) -> torch.Tensor:
+        loss = super().train_step()
+        if self.ctx.rank == self.victim and self.step == self.at:
+            os.kill(os.getpid(), self.signum)
+        return loss
+
+
+def _train_until_signalled(ctx: DistContext, checks: list[float]) -> list[dict[str, Any]]:
+    records = []
+    for check_s in checks:
+        config = TrainConfig(task="mlp", device="cpu", task_opt=SMALL_MLP, batch_size=16, max_steps=5000,
+                             log_every=10_000, preempt_check_s=check_s, preempt_requeue="never")
+        seed_everything(config.seed)
+        task = load_task(config.task, config)
+        trainer = _SignalledTrainer(config, task, ctx, resolve_precision("fp32", ctx.device),
+                                    QuietRunLog(ctx.rank))
+        records.append({**trainer.fit(),
+                        "handler_restored": signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL})
+        trainer = None  # free DDP before the next one (see FACTS.md)
+    return records
+
+
+def test_any_rank_signal_stops_all_ranks_at_the_same_step() -> None:
+    """check_s=1e-9 agrees after every step; 0.05 s agrees on a cadence the ranks compute alike."""
+    every_step, cadence = zip(*run_ranks(_train_until_signalled, 2, [1e-9, 0.05]))
+    for records in (every_step, cadence):
+        assert all(r["preempted"] and r["signal"] == "SIGUSR1" for r in records)
+        assert records[0]["step"] == records[1]["step"]
+        assert 3 <= records[0]["step"] < 5000
+        assert all(r["handler_restored"] for r in records)
+    assert every_step[0]["step"] == 3  # signalled in step 3: stops at that step's boundary
+
+
+def _wait_for_metrics(run_dir: Path, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and metrics.read_text().strip():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"training did not start: {proc.poll()}")
+
+
+def test_dataloader_workers_survive_the_signal(tmp_path: Path) -> None:
+    """USR1 to the whole process group (as SLURM sends it) reaches the workers too: they
+    ignore it, and the run stops with the preemption exit code instead of a worker crash."""
+    proc = subprocess.Popen([sys.executable, "-m", "ddp_amp.train", "--task", "mlp", "--device", "cpu", "--num-workers", "1",
+                             "--max-steps", "100000", "--log-every", "5", "--task-opt", "hidden=16",
+                             "--run-dir", str(tmp_path)],
+                            env=cli_env(), cwd=REPO_ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _wait_for_metrics(tmp_path, proc)
+        os.killpg(proc.pid, signal.SIGUSR1)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == EXIT_PREEMPTED, stderr
+    assert "stopped at step" in stderr and "after SIGUSR1" in stderr, stderr
+    assert not (tmp_path / "summary.json").exists()  # a stopped run is not a finished run
+
+
+def test_requeue_reports_why_it_could_not(tmp_path: Path) -> None:
+    done, message = requeue_slurm_job({})
+    assert not done and "not a SLURM job" in message
+    done, message = requeue_slurm_job({"SLURM_JOB_ID": "12", "PATH": str(tmp_path)})
+    assert not done and "scontrol" in message  # no scontrol on that PATH
+
+
+def test_requeue_refused_by_slurm_is_reported(slurm_cluster: Cluster) -> None:
+    os.environ["SLURM_CONF"] = str(slurm_cluster.conf)
+    done, message = requeue_slurm_job({"SLURM_JOB_ID": "987654", "PATH": os.environ["PATH"]})
+    assert not done and "refused" in message and "987654" in message, message
