@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.multiproc import REPO_ROOT, cli_env, free_port
 
-TINY = ["--device", "cpu", "--max-steps", "20", "--log-every", "10", "--task-opt", "hidden=32",
+TINY = ["--task", "mlp", "--device", "cpu", "--max-steps", "20", "--log-every", "10", "--task-opt", "hidden=32",
         "--task-opt", "samples=1024"]
 
 
@@ -22,7 +22,7 @@ def test_local_launcher_prints_and_runs_one_cpu_process(tmp_path: Path) -> None:
     result = subprocess.run([str(REPO_ROOT / "launch" / "local.sh"), *TINY, "--run-dir", str(tmp_path)],
                             capture_output=True, text=True, env=_env(NPROC="0"), cwd=REPO_ROOT, timeout=180)
     assert result.returncode == 0, result.stderr
-    assert f"+ {sys.executable} -m ddp_amp.train --device cpu" in result.stderr
+    assert f"+ {sys.executable} -m ddp_amp.train --task mlp --device cpu" in result.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["world_size"] == 1
 
 
