@@ -61,8 +61,9 @@ def train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
                      f"run_dir={run_dir}")
         resumed_from = trainer.resume(config.resume)
         # Records past the step we start from belong to a lost attempt: drop them, so a
-        # requeued run neither duplicates nor misses steps.
-        run_log.rewind_to(trainer.step)
+        # requeued run neither duplicates nor misses steps. A fresh start drops them all
+        # (its step-0 records, such as the first evaluation, are written again).
+        run_log.rewind_to(trainer.step if resumed_from is not None else -1)
         if resumed_from is not None:
             trainer.watch.after_resume(trainer.step)  # ranks must agree right after a load
         summary = trainer.fit()

@@ -113,10 +113,12 @@ def test_two_rank_torchrun_on_a_terminal_shows_one_progress_bar(tmp_path: Path) 
 
 def test_a_restarted_run_replaces_its_metrics_instead_of_appending_twice(tmp_path: Path) -> None:
     config = TrainConfig(task="mlp", task_opt=("hidden=16", "samples=256"), max_steps=10, log_every=5, batch_size=16,
-                         eval_every=0, device="cpu", precision="fp32", run_dir=str(tmp_path))
-    for _ in range(2):  # a requeue with no checkpoint starts again from step 0
+                         eval_every=5, resume="none", device="cpu", precision="fp32", run_dir=str(tmp_path))
+    for _ in range(2):  # a rerun that starts again from step 0
         train(config, init_distributed(detect_env({}), device="cpu"))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert _steps(tmp_path / "metrics.jsonl") == [5, 10]
+    assert _steps(tmp_path / "metrics.jsonl") == [0, 5, 5, 10, 10]  # evals at 0, 5, 10; logs at 5, 10
     assert sum("summary" in r for r in records) == 1
+    kinds = [(r.get("step"), "loss" in r, any(k.startswith("eval_") for k in r)) for r in records if "summary" not in r]
+    assert len(kinds) == len(set(kinds)) and (0, False, True) in kinds  # the step-0 eval once
     assert all(r["step_time"] > 0 and r["peak_mem_mb"] > 0 for r in records if "loss" in r)
