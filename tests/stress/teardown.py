@@ -20,9 +20,16 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 def unclean(command: list[str]) -> bool:
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                            env=cli_env(), cwd=REPO_ROOT)
-    return result.returncode != 0 or "terminate called" in result.stderr
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                                env=cli_env(), cwd=REPO_ROOT)
+    except subprocess.TimeoutExpired:  # a hang at teardown counts as unclean
+        print(f"hung: {command[-1]}", flush=True)
+        return True
+    if result.returncode != 0 or "terminate called" in result.stderr:
+        print(f"unclean (exit {result.returncode}): {result.stderr.strip().splitlines()[-1:]}", flush=True)
+        return True
+    return False
 
 
 def main() -> None:
@@ -32,7 +39,8 @@ def main() -> None:
     counts = {"ddp_amp.train": 0, "naive script": 0}
     with tempfile.TemporaryDirectory() as run_dir:
         for i in range(args.runs):
-            counts["ddp_amp.train"] += unclean(TORCHRUN + ["-m", "ddp_amp.train", "--precision", "fp16",
+            counts["ddp_amp.train"] += unclean(TORCHRUN + ["-m", "ddp_amp.train", "--task", "mlp",
+                                                           "--task-opt", "hidden=256", "--precision", "fp16",
                                                            "--max-steps", "20", "--log-every", "100",
                                                            "--run-dir", f"{run_dir}/{i}"])
             counts["naive script"] += unclean(TORCHRUN + ["tests/stress/naive_teardown.py"])
