@@ -11,7 +11,6 @@ effective batch, never per micro-batch: the scale is a per-step quantity.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 from contextlib import nullcontext
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from ddp_amp import Session
+from example_cli import run_example
 
 ACCUM, STEPS, MICRO_BATCH = 4, 3, 8
 
@@ -68,20 +68,9 @@ def train(session: Session) -> dict[str, object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precision", default="fp16")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--facts", help="write what every rank observed to this JSON file")
-    args = parser.parse_args()
     # growth_interval=1: the scale doubles at every update, so its value counts the updates.
-    scaler_options = {"init_scale": 256.0, "growth_interval": 1}
-    with Session(args.precision, args.device, scaler_options=scaler_options) as session:
-        facts = session.all_gather_objects(train(session))
-        if session.is_main:
-            print(json.dumps(facts[0]["scales"]))
-            if args.facts:
-                with open(args.facts, "w", encoding="utf-8") as handle:
-                    json.dump({"world_size": session.world_size, "ranks": facts}, handle)
+    run_example(__doc__.splitlines()[0], train, lambda rank: json.dumps(rank["scales"]),
+                scaler_options={"init_scale": 256.0, "growth_interval": 1})
 
 
 if __name__ == "__main__":

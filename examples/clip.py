@@ -10,14 +10,13 @@ found inf/NaN. It returns the norm before clipping, in real units, for logging.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 
 import torch
 from torch import nn
 
 from ddp_amp import Session
+from example_cli import run_example
 
 STEPS, BATCH, MAX_NORM = 5, 16, 1.0
 
@@ -66,18 +65,8 @@ def train(session: Session) -> dict[str, object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precision", default="fp16")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--facts", help="write what every rank observed to this JSON file")
-    args = parser.parse_args()
-    with Session(args.precision, args.device, scaler_options={"init_scale": 1024.0}) as session:
-        facts = session.all_gather_objects(train(session))
-        if session.is_main:
-            print("pre-clip norms:", facts[0]["pre_clip"])
-            if args.facts:
-                with open(args.facts, "w", encoding="utf-8") as handle:
-                    json.dump({"world_size": session.world_size, "ranks": facts}, handle)
+    run_example(__doc__.splitlines()[0], train, lambda rank: f"pre-clip norms: {rank['pre_clip']}",
+                scaler_options={"init_scale": 1024.0})
 
 
 if __name__ == "__main__":

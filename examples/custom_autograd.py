@@ -12,14 +12,13 @@ Both decorators need the device type, so the functions are built for the session
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 
 import torch
 from torch import nn
 
 from ddp_amp import Session
+from example_cli import run_example
 
 STEPS, BATCH = 3, 16
 SEEN: dict[str, object] = {}  # what the custom functions observed, for the facts file
@@ -124,18 +123,8 @@ def train(session: Session) -> dict[str, object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precision", default="fp16")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--facts", help="write what every rank observed to this JSON file")
-    args = parser.parse_args()
-    with Session(args.precision, args.device, scaler_options={"init_scale": 1024.0}) as session:
-        facts = session.all_gather_objects(train(session))
-        if session.is_main:
-            print({k: v for k, v in facts[0].items() if k != "params"})
-            if args.facts:
-                with open(args.facts, "w", encoding="utf-8") as handle:
-                    json.dump({"world_size": session.world_size, "ranks": facts}, handle)
+    run_example(__doc__.splitlines()[0], train, lambda rank: {k: v for k, v in rank.items() if k != "params"},
+                scaler_options={"init_scale": 1024.0})
 
 
 if __name__ == "__main__":

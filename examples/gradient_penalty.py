@@ -13,14 +13,13 @@ does, once, for the whole penalised loss.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 
 import torch
 from torch import nn
 
 from ddp_amp import Session
+from example_cli import run_example
 
 STEPS, BATCH, LAMBDA = 4, 16, 0.1
 
@@ -87,18 +86,8 @@ def train(session: Session) -> dict[str, object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precision", default="fp16")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--facts", help="write what every rank observed to this JSON file")
-    args = parser.parse_args()
-    with Session(args.precision, args.device, scaler_options={"init_scale": 1024.0}) as session:
-        facts = session.all_gather_objects(train(session))
-        if session.is_main:
-            print("penalty gradient vs fp32, relative error:", facts[0]["penalty_grad_rel_err"])
-            if args.facts:
-                with open(args.facts, "w", encoding="utf-8") as handle:
-                    json.dump({"world_size": session.world_size, "ranks": facts}, handle)
+    run_example(__doc__.splitlines()[0], train, lambda rank: f"penalty gradient vs fp32, relative error: {rank['penalty_grad_rel_err']}",
+                scaler_options={"init_scale": 1024.0})
 
 
 if __name__ == "__main__":

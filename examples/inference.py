@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 
 import torch
 from torch import nn
 
 from ddp_amp import Session
+from example_cli import run_example
 
 STEPS, BATCH = 3, 16
 
@@ -105,20 +105,13 @@ def train(session: Session, checkpoint: str) -> dict[str, object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precision", default="fp16")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--checkpoint", default="runs/inference-example.pt",
-                        help="where to save; every rank reads it back, so on several nodes a shared path")
-    parser.add_argument("--facts", help="write what every rank observed to this JSON file")
-    args = parser.parse_args()
-    with Session(args.precision, args.device) as session:
-        facts = session.all_gather_objects(train(session, args.checkpoint))
-        if session.is_main:
-            print("eval:", facts[0]["eval"], "fp32:", facts[0]["fp32_mse"])
-            if args.facts:
-                with open(args.facts, "w", encoding="utf-8") as handle:
-                    json.dump({"world_size": session.world_size, "ranks": facts}, handle)
+    def add_checkpoint(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--checkpoint", default="runs/inference-example.pt",
+                            help="where to save; every rank reads it back, so on several nodes a shared path")
+
+    run_example(__doc__.splitlines()[0], train,
+                lambda rank: f"eval: {rank['eval']} fp32: {rank['fp32_mse']}",
+                add_arguments=add_checkpoint, train_args=lambda args: (args.checkpoint,))
 
 
 if __name__ == "__main__":
