@@ -53,6 +53,28 @@ class Task:
     default_clip_grad_norm: float = 0.0  # used when --clip-grad-norm is 0; 0 = no clipping
 
 
+def parse_task_options(options: Mapping[str, str], defaults: Mapping[str, int | float]) -> dict[str, int | float]:
+    """`--task-opt KEY=VALUE` pairs over a task's defaults, each converted to its default's type.
+
+    Unknown keys and values that do not convert raise a UsageError; range checks are the
+    task's own.
+    """
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        example = next(iter(defaults))
+        raise UsageError("--task-opt", unknown[0], "one of " + ", ".join(defaults),
+                         f"e.g. --task-opt {example}={defaults[example]:g}")
+    values = dict(defaults)
+    for key, raw in options.items():
+        kind = type(defaults[key])
+        try:
+            values[key] = kind(raw)
+        except ValueError:
+            raise UsageError(f"--task-opt {key}", raw, "an integer" if kind is int else "a number",
+                             f"e.g. --task-opt {key}={defaults[key]:g}") from None
+    return values
+
+
 def _check_task(spec: str, task: object) -> Task:
     if not isinstance(task, Task):
         raise UsageError("--task", spec, f"a function returning ddp_amp.Task, got {type(task).__name__}",

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from ddp_amp.errors import UsageError
+from ddp_amp.tasks import parse_task_options
 
 if TYPE_CHECKING:
     from ddp_amp.config import TrainConfig
@@ -41,15 +42,7 @@ def accuracy(output: torch.Tensor, target: torch.Tensor) -> dict[str, tuple[torc
 
 
 def read_options(options: dict[str, str]) -> dict[str, int]:
-    unknown = set(options) - set(DEFAULTS)
-    if unknown:
-        raise UsageError("--task-opt", sorted(unknown)[0], "one of " + ", ".join(DEFAULTS), "e.g. --task-opt hidden=64")
-    values = dict(DEFAULTS)
-    for key, raw in options.items():
-        try:
-            values[key] = int(raw)
-        except ValueError:
-            raise UsageError(f"--task-opt {key}", raw, "an integer", f"e.g. --task-opt {key}={DEFAULTS[key]}") from None
+    values = {key: int(value) for key, value in parse_task_options(options, DEFAULTS).items()}
     if values["hidden"] < 1:
         raise UsageError("--task-opt hidden", values["hidden"], "an integer >= 1", "e.g. --task-opt hidden=128")
     if not 1 <= values["held_out"] <= 90:

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddp_amp.errors import UsageError
+from ddp_amp.tasks import parse_task_options
 
 if TYPE_CHECKING:
     from ddp_amp.config import TrainConfig
@@ -140,16 +141,8 @@ def perplexity(means: dict[str, float]) -> dict[str, float]:
 
 
 def read_options(options: dict[str, str]) -> dict[str, float]:
-    unknown = set(options) - set(DEFAULTS)
-    if unknown:
-        raise UsageError("--task-opt", sorted(unknown)[0], "one of " + ", ".join(DEFAULTS),
-                         "e.g. --task-opt emsize=64")
-    values = dict(DEFAULTS)
+    values = parse_task_options(options, DEFAULTS)
     for key, raw in options.items():
-        try:
-            values[key] = float(raw) if key == "dropout" else int(raw)
-        except ValueError:
-            raise UsageError(f"--task-opt {key}", raw, "a number", f"e.g. --task-opt {key}={DEFAULTS[key]:g}") from None
         low = 0 if key in ("vocab", "tokens", "dropout") else 1
         if values[key] < low or (key == "dropout" and values[key] >= 1):
             raise UsageError(f"--task-opt {key}", raw, f"a number >= {low}" + (" and < 1" if key == "dropout" else ""),

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from ddp_amp.errors import UsageError
+from ddp_amp.tasks import parse_task_options
 
 if TYPE_CHECKING:
     from ddp_amp.config import TrainConfig
@@ -34,18 +35,11 @@ def make_model(in_size: int, hidden: int, out_size: int, layers: int) -> nn.Sequ
 
 
 def read_sizes(options: dict[str, str]) -> dict[str, int]:
-    unknown = set(options) - set(DEFAULTS)
-    if unknown:
-        raise UsageError("--task-opt", sorted(unknown)[0], "one of " + ", ".join(DEFAULTS), "e.g. --task-opt hidden=256")
-    sizes = dict(DEFAULTS)
-    for key, raw in options.items():
-        try:
-            sizes[key] = int(raw)
-        except ValueError:
-            raise UsageError(f"--task-opt {key}", raw, "an integer", f"e.g. --task-opt {key}={DEFAULTS[key]}") from None
-        if sizes[key] < 1:
-            raise UsageError(f"--task-opt {key}", raw, "an integer >= 1", f"e.g. --task-opt {key}={DEFAULTS[key]}")
-    return sizes
+    sizes = parse_task_options(options, DEFAULTS)
+    for key, value in sizes.items():
+        if value < 1:
+            raise UsageError(f"--task-opt {key}", value, "an integer >= 1", f"e.g. --task-opt {key}={DEFAULTS[key]}")
+    return {key: int(value) for key, value in sizes.items()}
 
 
 def make_task(config: TrainConfig) -> Task:
