@@ -169,6 +169,11 @@ class Trainer:
         # Every item exactly once over all ranks (a strided shard, no padding), so the
         # metric does not depend on the world size.
         sampler = range(self.ctx.rank, len(self.task.eval_data), self.ctx.world_size)  # type: ignore[arg-type]
+        # A held-out set smaller than the world leaves some ranks no item; they still have
+        # to join one all-reduce per metric name, so they score item 0 and add it at weight 0.
+        weight = 1.0 if len(sampler) else 0.0
+        if not sampler:
+            sampler = range(1)
         micro = self.config.micro_batch_size(self.ctx.world_size)
         sums: dict[str, torch.Tensor] = {}
         self.model.eval()
@@ -182,8 +187,8 @@ class Trainer:
             for batch in loader:
                 inputs, target = to_device(batch, self.device)
                 for name, (total, count) in self.task.metric(self.autocast_model(inputs), target).items():
-                    pair = torch.stack([total.detach().double().to(self.device),
-                                        torch.tensor(float(count), dtype=torch.float64, device=self.device)])
+                    pair = weight * torch.stack([total.detach().double().to(self.device),
+                                                 torch.tensor(float(count), dtype=torch.float64, device=self.device)])
                     sums[name] = sums[name] + pair if name in sums else pair
         finally:
             self.model.train()

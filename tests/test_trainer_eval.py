@@ -38,7 +38,10 @@ def untrained_metrics(ctx: DistContext, argv: list[str]) -> dict[str, float]:
 
 @pytest.mark.parametrize("argv", [RINGS, ["--task", "lm", "--batch-size", "32", "--task-opt", "emsize=16",
                                           "--task-opt", "nhid=16", "--task-opt", "vocab=100",
-                                          "--task-opt", "tokens=8000"]])
+                                          "--task-opt", "tokens=8000"],
+                                  # 400 words hold out one chunk: rank 1 has nothing to score
+                                  ["--task", "lm", "--batch-size", "4", "--task-opt", "emsize=16",
+                                   "--task-opt", "nhid=16", "--task-opt", "vocab=50", "--task-opt", "tokens=400"]])
 def test_two_ranks_score_every_held_out_item_once(argv: list[str]) -> None:
     single = untrained_metrics(init_distributed(detect_env({}), device="cpu"), argv)
     both = run_ranks(untrained_metrics, 2, argv)
