@@ -20,9 +20,18 @@ def gap(task: str, value: float, reference: float) -> float:
     return 100 * (value / reference - 1) if task == "lm" else 100 * (value - reference)
 
 
+def control_gap(out: Path, task: str, seed: int, key: str, reference: float, unit: str) -> str:
+    """fp32 run again with 2 threads (parity.sh's control) vs fp32: rounding order alone."""
+    path = out / f"{task}-fp32-2threads-seed{seed}" / "summary.json"
+    if not path.exists():
+        return "-"
+    return f"{gap(task, json.loads(path.read_text())[key], reference):+.2f} {unit}"
+
+
 def main(out: Path) -> None:
-    print("| task | metric | seed | fp32 | bf16 | fp16 | bf16 vs fp32 | fp16 vs fp32 | fp16 skipped steps |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| task | metric | seed | fp32 | bf16 | fp16 | bf16 vs fp32 | fp16 vs fp32 | fp16 skipped steps"
+          " | control: fp32 on 2 threads vs fp32 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for task, (key, label, scale, unit) in TASKS.items():
         means: dict[str, list[float]] = {p: [] for p in PRECISIONS}
         for seed in range(10):
@@ -35,14 +44,15 @@ def main(out: Path) -> None:
                 means[p].append(values[p])
             print(f"| {task} | {label} | {seed} | " + " | ".join(f"{values[p] * scale:.2f}" for p in PRECISIONS)
                   + f" | {gap(task, values['bf16'], values['fp32']):+.2f} {unit}"
-                  + f" | {gap(task, values['fp16'], values['fp32']):+.2f} {unit} | {runs['fp16']['skipped_total']} |")
+                  + f" | {gap(task, values['fp16'], values['fp32']):+.2f} {unit} | {runs['fp16']['skipped_total']}"
+                  + f" | {control_gap(out, task, seed, key, values['fp32'], unit)} |")
         if len(means["fp32"]) > 1:
             mean = {p: statistics.fmean(means[p]) for p in PRECISIONS}
             spread = (max(means["fp32"]) - min(means["fp32"])) * scale
             print(f"| {task} | {label} | mean of {len(means['fp32'])} (fp32 seed range {spread:.2f}) | "
                   + " | ".join(f"{mean[p] * scale:.2f}" for p in PRECISIONS)
                   + f" | {gap(task, mean['bf16'], mean['fp32']):+.2f} {unit}"
-                  + f" | {gap(task, mean['fp16'], mean['fp32']):+.2f} {unit} | |")
+                  + f" | {gap(task, mean['fp16'], mean['fp32']):+.2f} {unit} | | |")
 
 
 if __name__ == "__main__":
