@@ -1,8 +1,8 @@
 """Mixed precision reaches the fp32 metric: same seed, same steps, fp32 vs bf16 vs fp16.
 
 Short CPU runs of tiny models (bf16/fp16 run 4-10x slower than fp32 on a CPU without
-low-precision units); the longer runs behind the table in docs/parity.md use the CLI. Tolerances are the issue's: accuracy within
-0.5 points, perplexity within 2%.
+low-precision units); the longer runs behind the table in docs/parity.md use the CLI.
+Tolerances are the issue's: accuracy within 0.5 points, perplexity within 2%.
 """
 
 from __future__ import annotations
