@@ -49,8 +49,9 @@ class TrainConfig:
                           "else fp32), fp32, bf16, or fp16 (with loss scaling)", PRECISION_CHOICES)
     device: str = _opt("auto", "auto (cuda if available), cuda (GPU of the local rank), or cpu",
                        ("auto", "cuda", "cpu"))
-    backend: str = _opt("auto", "process-group backend: auto (nccl on cuda, gloo on cpu), nccl, "
-                        "gloo (needed for several ranks on one GPU)", ("auto", "nccl", "gloo"))
+    backend: str = _opt("auto", "process-group backend: auto (nccl on cuda, gloo on cpu; no group "
+                        "for one process), nccl, gloo (needed for several ranks on one GPU); "
+                        "naming one forms a group even for one process, so DDP runs", ("auto", "nccl", "gloo"))
     dist_timeout: float = _opt(600.0, "seconds a collective may wait for a peer before the "
                                "job fails instead of hanging")
     num_workers: int = _opt(0, "DataLoader worker processes per rank")

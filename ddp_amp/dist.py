@@ -63,13 +63,14 @@ def resolve_device(choice: DeviceChoice, env: DistEnv, backend: BackendChoice = 
         raise UsageError("--device", choice, "a machine with a CUDA GPU",
                          "use --device cpu or --device auto")
     count = torch.cuda.device_count()
-    if env.local_rank >= count:
-        if backend != "gloo":
-            raise UsageError("LOCAL_RANK", env.local_rank, f"< {count} visible GPUs",
-                             "start one process per GPU (--nproc_per_node / --ntasks-per-node), "
-                             "or use --backend gloo to share GPUs")
-        return torch.device("cuda", env.local_rank % count)
-    return torch.device("cuda", env.local_rank)
+    # Checked against the node's process count, not this rank's index, so that every rank
+    # of the node fails alike and rank 0 prints the line: a check on LOCAL_RANK failed only
+    # the ranks past the last GPU, and rank 0, the one that prints, went on to wait for them.
+    if env.local_world_size > count and backend != "gloo":
+        raise UsageError("LOCAL_WORLD_SIZE", env.local_world_size, f"<= {count} visible GPU(s), one process each",
+                         "start one process per GPU (--nproc_per_node / --ntasks-per-node), "
+                         "or use --backend gloo to share GPUs")
+    return torch.device("cuda", env.local_rank % count)
 
 
 def resolve_backend(choice: BackendChoice, device: torch.device) -> str:
@@ -94,18 +95,23 @@ def _open_store(env: DistEnv, timeout: timedelta) -> dist.Store:
 
 def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: BackendChoice = "auto",
                      timeout_s: float = 600.0) -> DistContext:
-    """Choose the device and, for a world above one, join the process group (collective)."""
+    """Choose the device and join the process group (collective).
+
+    A world of one joins none, unless a backend is named: then it forms a group of one, so
+    that the DDP path (bucketed all-reduce, comm hooks) runs and can be checked on one GPU.
+    """
     torch_device = resolve_device(device, env, backend)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
-    if not env.is_distributed:
+    if not env.is_distributed and backend == "auto":
         return DistContext(env, torch_device, None)
     chosen = resolve_backend(backend, torch_device)
     if dist.is_initialized():  # idempotent: a user's script may have joined already
         return DistContext(env, torch_device, dist.get_backend())
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(chosen, store=_open_store(env, timeout), rank=env.rank,
-                            world_size=env.world_size, timeout=timeout)
+    # A group of one needs no rendezvous: an in-memory store, no port to claim.
+    store = _open_store(env, timeout) if env.is_distributed else dist.HashStore()
+    dist.init_process_group(chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     log.debug("rank %d joined %s group of %d", env.rank, chosen, env.world_size)
     return DistContext(env, torch_device, chosen)
 

@@ -72,13 +72,19 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
-def cli_env(**extra: str) -> dict[str, str]:
-    """The environment for a CLI subprocess: this repo importable, no launcher variables."""
+def cli_env(gpus: bool = False, **extra: str) -> dict[str, str]:
+    """The environment for a CLI subprocess: this repo importable, no launcher variables.
+
+    GPUs are hidden unless `gpus`: these tests pin the CPU path that CI runs, and on a
+    machine with one GPU `--device auto` would otherwise put two ranks on it (an error).
+    """
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in
            ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
     env["OMP_NUM_THREADS"] = "1"
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(extra)
     return env
 

@@ -22,8 +22,11 @@ def _levels(findings: list[tuple[str, str]], level: str) -> str:
 
 def test_single_process_reports_launcher_device_and_auto_precision() -> None:
     env, facts, findings = diagnose({})
-    assert env is not None and facts["launcher"] == "single" and facts["device"] == "cpu"
-    assert facts["precision_auto"].startswith(("fp32", "bf16"))
+    import torch
+
+    expected_device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert env is not None and facts["launcher"] == "single" and facts["device"].startswith(expected_device)
+    assert facts["precision_auto"].startswith(("fp32", "bf16", "fp16"))
     assert not _levels(findings, "error")
 
 
@@ -35,7 +38,8 @@ def test_port_in_use_is_an_error_and_a_free_port_is_ok() -> None:
         _, _, findings = diagnose({**TORCHRUN_RANK0, "MASTER_PORT": str(port)})
         assert f"MASTER_PORT {port} is in use" in _levels(findings, "error")
     _, _, findings = diagnose({**TORCHRUN_RANK0, "MASTER_PORT": str(free_port())})
-    assert "is free" in _levels(findings, "ok") and not _levels(findings, "error")
+    # (On a machine with one GPU the 2-process world is also flagged: not this test's concern.)
+    assert "is free" in _levels(findings, "ok") and "MASTER_PORT" not in _levels(findings, "error")
 
 
 def test_unresolvable_master_addr_and_partial_env_are_errors() -> None:

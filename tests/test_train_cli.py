@@ -9,7 +9,7 @@ import pytest
 
 from ddp_amp.config import TrainConfig, build_parser
 from ddp_amp.train import main
-from tests.multiproc import run_train
+from tests.multiproc import cli_env, run_train
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
@@ -54,6 +54,35 @@ def test_bad_input_from_real_processes_exits_non_zero_with_one_line(tmp_path: Pa
     # Under torchrun both ranks reject the batch; rank 0 alone says so, torchrun exits non-zero.
     pair = run_train(["--batch-size", "3", "--run-dir", str(tmp_path)], nproc=2)
     assert pair.returncode != 0 and pair.stderr.count("ddp_amp: error: --batch-size=3") == 1
+
+
+def test_one_process_with_a_named_backend_runs_ddp_in_a_group_of_one(tmp_path: Path) -> None:
+    # Named: a group of one, so the DDP path runs (the way to check it, and NCCL, on one GPU).
+    # DDP over one rank averages over 1, so the run must match the group-less one bit for bit.
+    common = ["--task", "mlp", "--device", "cpu", "--precision", "fp16", "--max-steps", "6", "--log-every", "3"]
+    summaries = {}
+    for backend in ("auto", "gloo"):
+        result = run_train([*common, "--backend", backend, "--run-dir", str(tmp_path / backend)])
+        assert result.returncode == 0, result.stderr[-2000:]
+        expected = "backend=none" if backend == "auto" else "backend=gloo"
+        assert expected in result.stdout, result.stdout[:500]
+        summaries[backend] = json.loads((tmp_path / backend / "summary.json").read_text())
+    assert summaries["gloo"]["world_size"] == 1
+    assert summaries["gloo"]["loss"] == summaries["auto"]["loss"]
+
+
+@pytest.mark.cuda
+def test_more_ranks_than_gpus_is_one_line_from_every_rank_not_a_hang(tmp_path: Path) -> None:
+    import torch
+
+    # One more rank than GPUs without --backend gloo: every rank of the node must fail alike,
+    # so that rank 0 (the one that prints) does not wait for a peer that already left.
+    ranks = torch.cuda.device_count() + 1
+    result = run_train(["--task", "mlp", "--max-steps", "3", "--run-dir", str(tmp_path)], nproc=ranks,
+                       timeout=120, env=cli_env(gpus=True))
+    assert result.returncode != 0
+    assert result.stderr.count(f"ddp_amp: error: LOCAL_WORLD_SIZE={ranks}: expected <= {ranks - 1} visible GPU") == 1
+    assert "--backend gloo" in result.stderr and not (tmp_path / "summary.json").exists()
 
 
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
