@@ -45,6 +45,15 @@ def test_single_gpu_fp16_fused_step_has_no_host_sync() -> None:
 
 
 @pytest.mark.cuda
+def test_ddp_over_nccl_on_one_gpu_fp16_fused_step_has_no_host_sync() -> None:
+    # --backend nccl with one process: a group of one, so DDP's bucketed all-reduce over
+    # NCCL, the overflow probe's comm hook and the scaler's fast path all run on one GPU.
+    result = run_ranks(_steps_without_sync, 1, "cuda", "fused", backend="nccl")[0]
+    assert result["fused"] and result["steps"] == 8
+    assert result["skipped_collectives"] == 0  # one rank has no peer to agree with: nothing to skip
+
+
+@pytest.mark.cuda
 def test_ddp_fp16_fused_step_has_no_host_sync() -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs: two nccl ranks cannot share one GPU")

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="recipe: comma-separated precisions to try (default: fp32,fp16,bf16)")
     parser.add_argument("--ranks", type=int, default=None,
                         help="overhead/fastpaths: processes (default: 2 gloo ranks on CPU, one per GPU on CUDA)")
+    parser.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                        help="overhead/fastpaths: process-group backend as in ddp_amp.train; naming one "
+                        "forms a group even for one rank, so one GPU measures the DDP path (default: auto)")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp16",
                         help="overhead: precision of both contenders (default: fp16, the case with a scaler)")
     parser.add_argument("--fastpaths-precision", choices=("fp32", "bf16", "fp16"), default=None,
@@ -121,12 +124,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print("\n" + table.recipe_table(section), flush=True)
     if "overhead" in args.sections:
         section = overhead.run(args.device, args.ranks, args.scale, args.precision, args.blocks,
-                               args.steps_per_block, threads=args.rank_threads)
+                               args.steps_per_block, threads=args.rank_threads, backend=args.backend)
         report["sections"]["overhead"] = section
         print("\n" + table.overhead_table(section), flush=True)
     if "fastpaths" in args.sections:
         section = fastpaths.run(args.device, args.ranks, args.scale, args.fastpaths_precision, args.blocks,
-                                args.steps_per_block, args.with_compile, threads=args.rank_threads)
+                                args.steps_per_block, args.with_compile, threads=args.rank_threads,
+                                backend=args.backend)
         report["sections"]["fastpaths"] = section
         print("\n" + table.fastpaths_table(section), flush=True)
     return report

@@ -52,7 +52,7 @@ def comparisons(device: torch.device, distributed: bool, with_compile: bool) -> 
     """(name, off variant, on variant, note) for this device; a None variant means skipped."""
     hand, trainer = _hand, _trainer
     fused_note = "" if _fused_available(device) else "fused SGD unavailable here"
-    ddp_note = "" if distributed else "needs a process group (ranks > 1)"
+    ddp_note = "" if distributed else "needs a process group (ranks > 1, or --backend with one rank)"
     rows: list[tuple[str, Any, Any, str]] = [
         ("fused vs foreach optimizer", (hand, {"fused": False}),
          (hand, {"fused": True}) if not fused_note else None, fused_note),
@@ -112,9 +112,10 @@ def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: in
 
 
 def run(device: str, ranks: int, scale: float, precision: str, blocks: int, steps: int,
-        with_compile: bool, threads: int = 0) -> dict[str, Any]:
+        with_compile: bool, threads: int = 0, backend: str = "auto") -> dict[str, Any]:
     """Every fast-path comparison on the (scaled) recipe model, `ranks` processes."""
     size = RecipeSize().scaled(scale)
-    rows = run_ranks(_measure, ranks, device, size, precision, blocks, steps, with_compile, threads=threads)[0]
+    rows = run_ranks(_measure, ranks, device, size, precision, blocks, steps, with_compile, threads=threads,
+                     backend=backend)[0]
     return {"size": {"width": size.width, "batch": size.batch, "layers": size.layers},
             "precision": precision, "ranks": ranks, "rows": rows}

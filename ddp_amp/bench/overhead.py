@@ -76,7 +76,7 @@ def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: in
     interleave(contenders, 1, 3, ctx.device)  # warm-up, not counted
     times = interleave(contenders, blocks, steps, ctx.device)
     result: dict[str, Any] = {
-        "size": asdict(size), "precision": precision_name, "ranks": ctx.world_size,
+        "size": asdict(size), "precision": precision_name, "ranks": ctx.world_size, "ddp": ctx.has_group,
         "blocks": blocks, "steps_per_block": steps,
         "step_ms": {name: median_ms(t) for name, t in zip(names, times)},
         "trainer_over_hand": paired_ratio(times[0], times[1]),
@@ -123,7 +123,7 @@ def _measure_both(ctx: DistContext, size: RecipeSize, precision_name: str, block
 
 
 def run(device: str, ranks: int, scale: float, precision: str, blocks: int, steps: int,
-        threads: int = 0) -> dict[str, Any]:
+        threads: int = 0, backend: str = "auto") -> dict[str, Any]:
     """The overhead on the (scaled) recipe model and on the tiny model, `ranks` processes."""
     return run_ranks(_measure_both, ranks, device, RecipeSize().scaled(scale), precision, blocks, steps,
-                     threads=threads)[0]
+                     threads=threads, backend=backend)[0]

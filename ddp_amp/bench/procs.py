@@ -27,7 +27,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _child(queue: Any, rank: int, world_size: int, port: int, device: str, threads: int,
+def _child(queue: Any, rank: int, world_size: int, port: int, device: str, backend: str, threads: int,
            fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     for name in _LAUNCH_VARS:
         os.environ.pop(name, None)
@@ -41,7 +41,8 @@ def _child(queue: Any, rank: int, world_size: int, port: int, device: str, threa
     from ddp_amp.env import detect_env
 
     try:
-        ctx = init_distributed(detect_env(os.environ), device=device, timeout_s=300)  # type: ignore[arg-type]
+        ctx = init_distributed(detect_env(os.environ), device=device, backend=backend,  # type: ignore[arg-type]
+                               timeout_s=300)
         try:
             result = fn(ctx, *args)
         finally:
@@ -52,16 +53,17 @@ def _child(queue: Any, rank: int, world_size: int, port: int, device: str, threa
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, device: str, *args: Any,
-              threads: int = 0, timeout: float = 1800) -> list[Any]:
+              threads: int = 0, timeout: float = 1800, backend: str = "auto") -> list[Any]:
     """Run `fn(ctx, *args)` on `world_size` fresh processes (a group if > 1); results by rank.
 
     `fn` is collective when `world_size > 1`: every rank runs it. `threads`: torch
-    intra-op threads per process (0 leaves torch's default).
+    intra-op threads per process (0 leaves torch's default). `backend`: as `--backend`; a
+    named one forms a group even for one process (DDP on one GPU).
     """
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     port = _free_port() if world_size > 1 else 0
-    procs = [context.Process(target=_child, args=(queue, r, world_size, port, device, threads, fn, args))
+    procs = [context.Process(target=_child, args=(queue, r, world_size, port, device, backend, threads, fn, args))
              for r in range(world_size)]
     for proc in procs:
         proc.start()
