@@ -13,7 +13,7 @@ from ddp_amp.config import TrainConfig, parse_config
 from ddp_amp.dist import init_distributed
 from ddp_amp.env import detect_env
 from ddp_amp.errors import TrainingHalted, UsageError
-from ddp_amp.lossscale import LossScaleGuard, LossScaleOptions
+from ddp_amp.lossscale import LossScaleGuard, LossScaleOptions, next_scale
 from ddp_amp.scaler import AgreedGradScaler
 from ddp_amp.train import train
 from tests.multiproc import run_train
@@ -44,13 +44,29 @@ def test_hysteresis_tolerates_overflows_then_backs_off_to_the_floor() -> None:
 def test_default_options_behave_like_plain_gradscaler() -> None:
     plain = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=2)
     ours = AgreedGradScaler("cpu", init_scale=16.0, growth_interval=2)
-    # A floor far below reach takes our own update rule instead of torch's: same scales.
+    # A floor far below reach changes nothing: same scales.
     policy = AgreedGradScaler("cpu", init_scale=16.0, growth_interval=2, min_scale=1e-30)
     for overflow in [True, False, False, True, True, False, False, False]:
         for scaler in (plain, ours, policy):
             _step(scaler, torch.nn.Parameter(torch.ones(2)), overflow)  # type: ignore[arg-type]
         assert ours.get_scale() == plain.get_scale() == policy.get_scale()
     assert plain.get_scale() == 8.0  # 16 -> 8 -> 16 -> 8 -> 4 -> 4 -> 8 -> 8
+
+
+def test_floor_without_hysteresis_follows_the_reference_rule() -> None:
+    # hysteresis 1 takes torch's fused update plus a clamp; next_scale is the rule it must match.
+    scaler = AgreedGradScaler("cpu", init_scale=16.0, growth_interval=2, min_scale=2.0)
+    scale, tracker, streak = torch.tensor(16.0), torch.tensor(0, dtype=torch.int32), 0
+    generator = torch.Generator().manual_seed(0)
+    overflows = [True] * 5 + (torch.rand(40, generator=generator) < 0.3).tolist()
+    seen = []
+    for overflow in overflows:
+        _step(scaler, torch.nn.Parameter(torch.ones(2)), overflow)
+        streak = streak + 1 if overflow else 0
+        scale, tracker = next_scale(scale, tracker, torch.tensor(streak), 2.0, 0.5, 2, 1, 2.0)
+        seen.append(scaler.get_scale())
+        assert seen[-1] == float(scale)
+    assert seen[:5] == [8.0, 4.0, 2.0, 2.0, 2.0] and max(seen) > 2.0  # held at the floor, then grew
 
 
 def test_guard_stops_after_consecutive_skips_and_streak_survives_state_dict() -> None:
