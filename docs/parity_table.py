@@ -20,9 +20,15 @@ def gap(task: str, value: float, reference: float) -> float:
     return 100 * (value / reference - 1) if task == "lm" else 100 * (value - reference)
 
 
+def control_name(out: Path) -> str:
+    """The control parity.sh ran (2threads on CPU, cublaslt or noworkspace on a GPU), from the run names."""
+    names = sorted({path.name.split("-")[2] for path in out.glob("*-fp32-*-seed*")})
+    return names[0] if names else "2threads"
+
+
 def control_gap(out: Path, task: str, seed: int, key: str, reference: float, unit: str) -> str:
-    """fp32 run again with 2 threads (parity.sh's control) vs fp32: rounding order alone."""
-    path = out / f"{task}-fp32-2threads-seed{seed}" / "summary.json"
+    """fp32 run again under the control (the same arithmetic in another order) vs fp32: rounding alone."""
+    path = out / f"{task}-fp32-{control_name(out)}-seed{seed}" / "summary.json"
     if not path.exists():
         return "-"
     return f"{gap(task, json.loads(path.read_text())[key], reference):+.2f} {unit}"
@@ -30,7 +36,7 @@ def control_gap(out: Path, task: str, seed: int, key: str, reference: float, uni
 
 def main(out: Path) -> None:
     print("| task | metric | seed | fp32 | bf16 | fp16 | bf16 vs fp32 | fp16 vs fp32 | fp16 skipped steps"
-          " | control: fp32 on 2 threads vs fp32 |")
+          f" | control: fp32 {control_name(out)} vs fp32 |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for task, (key, label, scale, unit) in TASKS.items():
         means: dict[str, list[float]] = {p: [] for p in PRECISIONS}

@@ -20,11 +20,13 @@ from ddp_amp.precision import resolve_precision
 from ddp_amp.tasks import load_task
 from ddp_amp.trainer import Trainer, seed_everything
 
-# A 1-layer, 32-wide LM on a 20k-word slice. At this size the recipe's lr 5.0 sits at the
-# edge of stability: 80- and 120-step runs there amplified rounding differences (and
-# fp16's skipped steps) into 3-20% of perplexity. lr 2 keeps the short run stable; the
-# longer runs in docs/parity.md use the recipe's lr 5.0.
-LM_ARGS = ["--task", "lm", "--max-steps", "80", "--batch-size", "16", "--lr", "2",
+# A 1-layer, 32-wide LM on a 20k-word slice. At this size SGD at lr >= 2 is chaotic: any
+# rounding difference grows step by step, so the final perplexity depends on which seed
+# and machine ran it, not on the precision. Measured on 80-step runs, seeds 0-3: at lr 5,
+# gaps of 3-20%; at lr 2, bf16/fp16 vs fp32 from -2.8% to +4.4% (only seeds 0 and 1 were
+# inside 2%); at lr 1, at most 0.1%, also with 2 threads. The longer runs in docs/parity.md
+# use the recipe's lr 5.0 and hold the gaps against a control run.
+LM_ARGS = ["--task", "lm", "--max-steps", "80", "--batch-size", "16", "--lr", "1",
            "--task-opt", "emsize=32", "--task-opt", "nhid=32", "--task-opt", "nlayers=1",
            "--task-opt", "vocab=300", "--task-opt", "tokens=20000", "--task-opt", "bptt=16",
            "--task-opt", "dropout=0"]
@@ -48,11 +50,13 @@ def one_thread() -> Any:
     torch.set_num_threads(threads)
 
 
-def test_lm_perplexity_in_bf16_and_fp16_is_within_2_percent_of_fp32() -> None:
-    reference = final_summary(LM_ARGS, "fp32")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lm_perplexity_in_bf16_and_fp16_is_within_2_percent_of_fp32(seed: int) -> None:
+    args = [*LM_ARGS, "--seed", str(seed)]
+    reference = final_summary(args, "fp32")
     assert reference["eval_ppl"] < 80  # it learned (a uniform guess over 300 words is 300)
     for precision in ("bf16", "fp16"):
-        summary = final_summary(LM_ARGS, precision)
+        summary = final_summary(args, precision)
         assert summary["precision"] == precision
         gap = abs(summary["eval_ppl"] / reference["eval_ppl"] - 1)
         assert gap < 0.02, (precision, summary["eval_ppl"], reference["eval_ppl"])

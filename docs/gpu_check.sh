@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU checks behind docs/benchmarks.md "GPU figures": the CUDA tests, the CLI on one GPU
+# (plain, torchrun + NCCL, two ranks sharing the GPU over gloo), the fp32 rounding-order
+# controls that docs/parity.sh can use on a GPU, then the benchmark. Repository root, on a
+# CUDA machine with a CUDA build of torch and the project's dependencies (pip install -e '.[test]').
+# Usage: bash docs/gpu_check.sh [OUT_DIR]   (about 4 minutes on one H100)
+set -uo pipefail
+out=${1:-runs/gpu-check}
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+step() {  # step SECONDS COMMAND...: run it with a time limit, print its exit code, go on
+  local limit=$1; shift
+  echo "=== $*"
+  timeout "$limit" "$@"
+  echo "=== exit $? after ${SECONDS}s of the script"
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+python -c "import sys, torch; print(sys.version.split()[0], torch.__version__, 'cuda', torch.version.cuda,
+torch.cuda.get_device_name(0), 'nccl', torch.cuda.nccl.version())"
+
+step 180 python -m pytest -q -p no:cacheprovider -m cuda tests
+# The default run: --device auto takes the GPU, --precision auto takes bf16 there.
+step 120 python -m ddp_amp.train --run-dir "$out/default"
+step 120 torchrun --standalone --nproc_per_node=1 -m ddp_amp.train --precision fp16 --max-steps 300 \
+    --run-dir "$out/nccl-1rank-fp16"
+step 120 torchrun --standalone --nproc_per_node=2 -m ddp_amp.train --backend gloo --precision bf16 \
+    --max-steps 300 --run-dir "$out/gloo-2ranks-1gpu-bf16"
+# Two ranks on one GPU without --backend gloo: expected to stop with the one-line hint.
+step 60 torchrun --standalone --nproc_per_node=2 -m ddp_amp.train --max-steps 10 --run-dir "$out/nccl-2ranks-1gpu"
+
+# Rounding-order controls for the parity table: fp32 again with another GEMM library or
+# workspace. Each must change the loss a little after a few steps (and not more).
+probe=(--task lm --max-steps 30 --batch-size 32 --task-opt vocab=1000 --log-every 1 --precision fp32 --seed 0)
+for control in none none-again cublaslt noworkspace; do
+  CONTROL=$control step 60 bash docs/parity_control.sh "${probe[@]}" --run-dir "$out/probe-$control" > /dev/null
+done
+python - "$out" <<'EOF'
+import json, sys
+from pathlib import Path
+def losses(name):
+    path = Path(sys.argv[1]) / f"probe-{name}" / "metrics.jsonl"
+    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "loss" in r] if path.exists() else []
+base = losses("none")
+for name in ("none-again", "cublaslt", "noworkspace"):
+    other = losses(name)
+    diffs = [abs(a - b) for a, b in zip(base, other)]
+    print(f"control {name}: {len(other)} steps, max |loss - fp32| {max(diffs, default=float('nan')):.3g}, "
+          f"at step 30 {diffs[-1] if diffs else float('nan'):.3g}")
+EOF
+
+step 420 python -m ddp_amp.bench --json "$out/bench-gpu.json"
