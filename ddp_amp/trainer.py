@@ -9,7 +9,8 @@ Then, in this order and for these reasons:
 2. `scaler.step` skips the update on every rank if any rank saw inf/NaN.
 3. `scaler.update` backs the scale off after a skip and grows it after a clean run.
 4. `zero_grad(set_to_none=True)`: no memset, and accumulation starts from nothing.
-5. The scheduler advances only when the step was taken, so a skip does not eat the LR plan.
+5. The scheduler advances only when the step was taken, so a skip does not eat the LR plan
+   (ddp_amp/lr_steps.py: without reading the skip flag on every step).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ddp_amp.data import BatchStream, to_device
 from ddp_amp.ddp_setup import comm_hook, grads_were_synced, optimizer_kwargs, reduced_params, wrap_model
 from ddp_amp.dist import DistContext, all_reduce_
 from ddp_amp.lossscale import LossScaleOptions
+from ddp_amp.lr_steps import TakenStepScheduler
 from ddp_amp.metrics import RunLog, peak_memory_mb
 from ddp_amp.precision import Precision
 from ddp_amp.preempt import PreemptionWatch, parse_signals, stop_for_preemption, worker_ignores
@@ -77,6 +79,7 @@ class Trainer:
         self._reduced_params = reduced_params(self.model)
         self.scheduler = task.make_scheduler(self.optimizer) if task.make_scheduler else None
         self.scaler = precision.make_scaler(**LossScaleOptions.from_config(config).scaler_kwargs())
+        self.lr_steps = TakenStepScheduler(self.scheduler, self.scaler) if self.scheduler else None
         named = [(n, p) for n, p in self.autocast_model.unwrap().named_parameters() if p.requires_grad]
         # DDP takes one comm hook, before the first backward: the overflow probe (fp16) wraps
         # the --grad-comm-dtype hook; without a probe that hook is registered on its own.
@@ -135,9 +138,8 @@ class Trainer:
         self.scaler.update()
         self.watch.after_update(self.step + 1)  # before zero_grad: forensics reads the grads
         self.optimizer.zero_grad(set_to_none=True)
-        # Only fp16 can skip; reading the agreed flag is a host sync, so bf16/fp32 never do.
-        if self.scheduler is not None and not (self.scaler.is_enabled() and self.scaler.last_step_skipped().item()):
-            self.scheduler.step()
+        if self.lr_steps is not None:  # on taken steps only, without a host sync per step
+            self.lr_steps.after_step()
         self.step += 1
         self.samples_seen += self.config.batch_size
         return step_loss
@@ -288,6 +290,8 @@ class Trainer:
         failed (the reason is in `self.checkpoint_error`; older checkpoints are untouched)
         or checkpointing is off. Saving the same step twice writes it once.
         """
+        if self.lr_steps is not None:  # the scheduler's state must be exact from here on
+            self.lr_steps.settle()
         if self.checkpoint_root is None:
             return None
         if self._saved_step == self.step:
@@ -316,6 +320,8 @@ class Trainer:
         self.step, self.samples_seen = checkpoint.load_checkpoint(
             Path(path), self._checkpoint_parts(), self.ctx.rank, self.ctx.world_size,
             self.precision.name, self.run_log.info)
+        if self.lr_steps is not None:
+            self.lr_steps.mark_exact()
         # Saving this step again would only rewrite what is there; elsewhere (another run's
         # checkpoint) it must still be written into this run's directory.
         own = self.checkpoint_root and Path(path).resolve() == (

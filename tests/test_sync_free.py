@@ -16,15 +16,19 @@ from ddp_amp.bench.overhead import make_trainer
 from ddp_amp.bench.procs import run_ranks
 from ddp_amp.bench.recipe import RecipeSize, make_batches
 from ddp_amp.dist import DistContext
+from ddp_amp.lr_steps import TakenStepScheduler
 from ddp_amp.precision import Precision
 
 SIZE = RecipeSize(width=256, batch=64, layers=3)
 
 
-def _steps_without_sync(ctx: DistContext, optimizer_impl: str) -> dict[str, Any]:
+def _steps_without_sync(ctx: DistContext, optimizer_impl: str, scheduler: bool = False) -> dict[str, Any]:
     precision = Precision("fp16", "cuda")
     batches = make_batches(SIZE, 4, ctx.device, seed=ctx.rank)
     trainer = make_trainer(ctx, SIZE, precision, batches, optimizer_impl=optimizer_impl)
+    if scheduler:  # lm's kind: the LR changes once an epoch, so no step here reads a skip flag
+        trainer.scheduler = torch.optim.lr_scheduler.StepLR(trainer.optimizer, step_size=100, gamma=0.95)
+        trainer.lr_steps = TakenStepScheduler(trainer.scheduler, trainer.scaler)
     for _ in range(3):  # warm-up: lazy inits (scale tensor, optimizer state, DDP buckets)
         trainer.train_step()
     torch.cuda.synchronize()
@@ -39,8 +43,9 @@ def _steps_without_sync(ctx: DistContext, optimizer_impl: str) -> dict[str, Any]
 
 
 @pytest.mark.cuda
-def test_single_gpu_fp16_fused_step_has_no_host_sync() -> None:
-    result = run_ranks(_steps_without_sync, 1, "cuda", "fused")[0]
+@pytest.mark.parametrize("scheduler", [False, True])
+def test_single_gpu_fp16_fused_step_has_no_host_sync(scheduler: bool) -> None:
+    result = run_ranks(_steps_without_sync, 1, "cuda", "fused", scheduler)[0]
     assert result["fused"] and result["steps"] == 8
 
 
