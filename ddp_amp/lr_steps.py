@@ -74,8 +74,13 @@ class TakenStepScheduler:
         self.mark_exact()
 
     def _step_quietly(self) -> None:
-        # Stepping before the optimizer ever stepped (the first steps were skipped) makes
-        # torch warn about the call order; here that order is intended.
+        # torch warns about the call order when a scheduler's first step comes before any
+        # optimizer step, which is what a skipped first step looks like, and is intended here.
+        # Only that first step is quietened: catch_warnings resets every module's
+        # once-only warning registry, so doing it every step would repeat users' warnings.
+        if getattr(self.scheduler, "_step_count", 1) != 1:
+            self.scheduler.step()
+            return
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
             self.scheduler.step()

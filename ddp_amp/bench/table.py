@@ -49,8 +49,9 @@ def overhead_table(section: dict[str, Any]) -> str:
         run = section[key]
         size = run["size"]
         steps = ", ".join(f"{name} {ms:.3g} ms" for name, ms in run["step_ms"].items())
+        ddp = " with DDP" if run.get("ddp") else ""
         lines = [f"Overhead, {label} ({size['layers']} x Linear({size['width']},{size['width']}), batch "
-                 f"{size['batch']}/rank, {run['precision']}, {run['ranks']} ranks{' with DDP' if run.get('ddp') else ''}, {run['blocks']} blocks x "
+                 f"{size['batch']}/rank, {run['precision']}, {run['ranks']} ranks{ddp}, {run['blocks']} blocks x "
                  f"{run['steps_per_block']} steps, interleaved): median step {steps}",
                  f"  trainer / hand-written recipe: {ratio_text(run['trainer_over_hand'])}",
                  f"  found-inf all-reduces skipped by the trainer's fast path: {run['agreements_skipped']}"]
