@@ -9,17 +9,15 @@ or all of them behind one object for your own loop: `with ddp_amp.Session() as s
 The CLI (`python -m ddp_amp.train`) is built on the same public pieces.
 """
 
-from ddp_amp.autocast import AutocastModule, unwrap_model
+from ddp_amp.amp import (AgreedGradScaler, AutocastModule, Precision, StepResult, resolve_precision,
+                         unwrap_model)
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistContext, distributed, init_distributed, shutdown_distributed
 from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
-from ddp_amp.precision import Precision, resolve_precision
-from ddp_amp.scaler import AgreedGradScaler
-from ddp_amp.session import Session, StepResult
+from ddp_amp.session import Session
 from ddp_amp.tasks import Task, load_task
-
-__version__ = "0.1.0"
+from ddp_amp.version import __version__
 
 __all__ = [
     "AgreedGradScaler",
@@ -31,6 +29,7 @@ __all__ = [
     "StepResult",
     "Task",
     "TrainConfig",
+    "__version__",
     "UsageError",
     "detect_env",
     "distributed",

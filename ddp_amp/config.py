@@ -14,9 +14,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from ddp_amp.amp import PRECISION_CHOICES, LossScaleOptions
 from ddp_amp.errors import UsageError
-from ddp_amp.lossscale import LossScaleOptions
-from ddp_amp.precision import PRECISION_CHOICES
+from ddp_amp.guards import WatchOptions
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -57,14 +57,14 @@ class TrainConfig:
     num_workers: int = _opt(0, "DataLoader worker processes per rank")
     log_every: int = _opt(20, "print and record metrics every N optimizer steps")
     debug: bool = _opt(False, "show full tracebacks on errors")
-    # --- checkpoints (issue 3: ddp_amp/checkpoint/) ---
+    # --- checkpoints (ddp_amp/checkpoint/) ---
     ckpt_every: int = _opt(0, "also save a checkpoint every N optimizer steps; 0 = only the "
                            "final one at the end of training")
     keep_last: int = _opt(3, "keep the newest K checkpoints; older ones are deleted only after "
                           "a new one is committed; 0 keeps all")
     resume: str = _opt("auto", "auto (newest complete checkpoint in <run-dir>/checkpoints, if "
                        "any), none (start fresh), or PATH of a checkpoint directory")
-    # --- watching a run (issue 6): fp16 loss-scale safety and the rank-consistency guard ---
+    # --- watching a run (ddp_amp/guards/): fp16 loss-scale safety and the rank-consistency guard ---
     loss_scale_init: float = _opt(65536.0, "fp16: the loss scale to start from")
     loss_scale_growth_interval: int = _opt(2000, "fp16: clean steps in a row before the scale doubles")
     loss_scale_backoff: float = _opt(0.5, "fp16: factor the scale is multiplied by on overflow (0 < f < 1)")
@@ -76,7 +76,7 @@ class TrainConfig:
                                       "in a row (0 = never)")
     check_sync_every: int = _opt(0, "every N steps compare a fingerprint of parameters, scaler state "
                                  "and step across ranks and stop if they differ (0 = only after a resume)")
-    # --- preemption (ddp_amp/preempt.py): signal -> agreed stop -> checkpoint -> requeue ---
+    # --- preemption (ddp_amp/guards/preemption.py): signal -> agreed stop -> checkpoint -> requeue ---
     preempt_signal: str = _opt("USR1,TERM", "signals that mean 'checkpoint and stop at the next "
                                "agreed step' (comma list of USR1, USR2, TERM, INT, HUP, QUIT, or "
                                "none); match SLURM's --signal and torchrun's --signals-to-handle")
@@ -85,7 +85,7 @@ class TrainConfig:
     preempt_requeue: str = _opt("auto", "after a preemption stop: auto (rank 0 runs `scontrol "
                                 "requeue $SLURM_JOB_ID` under SLURM) or never", ("auto", "never"))
 
-    # --- performance fast paths (issue 5: bench) ---
+    # --- performance fast paths (measured by python -m ddp_amp.bench) ---
     compile: bool = _opt(False, "torch.compile the model (inside the autocast wrapper, under DDP); "
                          "the first steps pay the compile time")
     grad_comm_dtype: str = _opt("fp32", "dtype DDP all-reduces gradients in: fp32, or bf16/fp16 "
@@ -95,7 +95,7 @@ class TrainConfig:
     optimizer_impl: str = _opt("auto", "optimizer kernels for adamw/sgd: auto (fused where "
                                "available, else foreach), fused, foreach, forloop",
                                ("auto", "fused", "foreach", "forloop"))
-    # --- evaluation (issue 7: built-in tasks and parity) ---
+    # --- evaluation (the task's held-out data and metric) ---
     eval_every: int = _opt(50, "run the task's metric on its held-out data before the first step "
                            "and every N optimizer steps (all ranks, under autocast); 0 = only "
                            "once, at the end, for the summary")
@@ -115,15 +115,24 @@ class TrainConfig:
             raise UsageError("--eval-every", self.eval_every, "an integer >= 0", "0 evaluates only at the end")
         if self.num_workers < 0:
             raise UsageError("--num-workers", self.num_workers, "an integer >= 0", "0 loads data in the training process")
-        for name in ("ckpt_every", "keep_last"):  # checkpoints (issue 3)
+        for name in ("ckpt_every", "keep_last"):
             if getattr(self, name) < 0:
                 raise UsageError(_flag(name), getattr(self, name), "an integer >= 0", "0 turns it off")
-        LossScaleOptions.from_config(self).validate()
+        self.loss_scale_options().validate()
         if self.check_sync_every < 0:
             raise UsageError("--check-sync-every", self.check_sync_every, "an integer >= 0", "0 = off")
         for item in self.task_opt:
             if "=" not in item:
                 raise UsageError("--task-opt", item, "KEY=VALUE", "e.g. --task-opt hidden=256")
+
+    def loss_scale_options(self) -> LossScaleOptions:
+        """The `--loss-scale-*` settings, as the amp layer takes them."""
+        return LossScaleOptions(self.loss_scale_init, self.loss_scale_growth_interval, self.loss_scale_backoff,
+                                self.loss_scale_min, self.loss_scale_hysteresis, self.max_consecutive_skips)
+
+    def watch_options(self) -> WatchOptions:
+        """The watchdogs' settings, as the guards layer takes them."""
+        return WatchOptions(self.loss_scale_options(), self.check_sync_every, self.log_every)
 
     def task_options(self) -> dict[str, str]:
         return dict(item.split("=", 1) for item in self.task_opt)

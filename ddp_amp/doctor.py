@@ -29,7 +29,7 @@ from ddp_amp.dist import (DistContext, all_gather_objects, all_reduce_, init_dis
                           resolve_backend, resolve_device, shutdown_distributed)
 from ddp_amp.env import DistEnv, detect_env, launched_by_srun, launched_by_torchrun
 from ddp_amp.errors import UsageError
-from ddp_amp.precision import resolve_precision
+from ddp_amp.amp import resolve_precision
 
 Finding = tuple[str, str]  # (level: ok | warn | error, message)
 

@@ -16,6 +16,11 @@ class UsageError(Exception):
         self.hint = hint
         super().__init__(f"{what}={value!r}: expected {expected} (hint: {hint})")
 
+    def __reduce__(self) -> tuple[type[UsageError], tuple[str, object, str, str]]:
+        # Exceptions pickle their `args` (here the one formatted message), which this
+        # __init__ cannot take back; the four fields can. Errors cross ranks pickled.
+        return type(self), (self.what, self.value, self.expected, self.hint)
+
 
 class TrainingHalted(RuntimeError):
     """A safety check stopped training (loss scale collapsed, loss non-finite, ranks out of sync).

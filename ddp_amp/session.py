@@ -11,9 +11,10 @@
             optimizer.zero_grad(set_to_none=True)
 
 It is a thin shell over the layers: `detect_env` -> `init_distributed` -> `resolve_precision`
--> `AutocastModule` + `AgreedGradScaler`. Leaving the block always leaves the process group,
-after releasing the DDP wrappers it made (FACTS.md: tearing gloo down under a live DDP
-reducer can abort the process).
+-> `wrap_model` + `AgreedGradScaler` -> the AMP step (`amp_step`, the Trainer's too) ->
+checkpoints (`ddp_amp.checkpoint`, the Trainer's commit protocol). Leaving the block always
+leaves the process group, after releasing the DDP wrappers it made (docs/facts.md: tearing
+gloo down under a live DDP reducer can abort the process).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -33,27 +34,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_amp import interim_checkpoint
-from ddp_amp.autocast import AutocastModule, unwrap_model
-from ddp_amp.data import to_device
-from ddp_amp.dist import (BackendChoice, DeviceChoice, DistContext, all_gather_objects,
-                          init_distributed, shutdown_distributed)
+from ddp_amp import checkpoint
+from ddp_amp.amp import (AgreedGradScaler, AutocastModule, Precision, StepResult, amp_step, resolve_precision,
+                         scaled_backward, unwrap_model, wrap_model)
+from ddp_amp.dist import (BackendChoice, DeviceChoice, DistContext, all_gather_objects, init_distributed,
+                          on_every_rank, release_ddp, shutdown_distributed, to_device)
 from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
-from ddp_amp.precision import Precision, resolve_precision
-from ddp_amp.scaler import AgreedGradScaler
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class StepResult:
-    """What `Session.step` did. Tensors stay on the device; read them at logging time."""
-
-    # 0-d int: 1 if the step was skipped (inf/NaN on any rank). None with update=False.
-    skipped: torch.Tensor | None
-    # Total norm of the unscaled gradients before clipping. None without clipping.
-    grad_norm: torch.Tensor | None
+# A Session checkpoint is a directory: the user's state in `state.pt` (the loss scaler's
+# state under the reserved key below), plus every checkpoint's `rng.pt` and `meta.json`.
+STATE_FILE = "state.pt"
+SCALER_KEY = "scaler"
 
 
 class Session:
@@ -116,7 +110,7 @@ class Session:
         for ref in refs:
             model = ref()
             if model is not None:
-                _release_ddp(model)
+                release_ddp(model)
         shutdown_distributed()
 
     # -- where this process is -----------------------------------------------------------
@@ -177,16 +171,13 @@ class Session:
             raise UsageError("model", type(model).__name__, "the plain user module",
                              "pass the model before wrapping; setup adds AutocastModule and DDP")
         precision, ctx = self.precision, self.ctx
-        wrapped = AutocastModule(model.to(ctx.device), precision.device_type, precision.dtype,
-                                 enabled=precision.autocast_enabled,
-                                 cast_outputs_to_fp32=cast_outputs_to_fp32)
-        if not ctx.has_group:
-            return wrapped
-        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        ddp = DDP(wrapped, device_ids=device_ids, find_unused_parameters=find_unused_parameters,
-                  gradient_as_bucket_view=gradient_as_bucket_view, **ddp_options)
-        self._ddp_refs.append(weakref.ref(ddp))
-        return ddp
+        wrapped = wrap_model(model, precision, ctx.device, distributed=ctx.has_group,
+                             cast_outputs_to_fp32=cast_outputs_to_fp32,
+                             find_unused_parameters=find_unused_parameters,
+                             gradient_as_bucket_view=gradient_as_bucket_view, **ddp_options)
+        if isinstance(wrapped, DDP):
+            self._ddp_refs.append(weakref.ref(wrapped))
+        return wrapped
 
     def local_module(self, model: nn.Module) -> AutocastModule:
         """The AutocastModule inside a set-up model: same weights, no DDP collectives.
@@ -226,7 +217,7 @@ class Session:
 
         Collective through a DDP model (its gradient all-reduce), except inside `no_sync`.
         """
-        self.scaler.scale(loss).backward(**backward_options)
+        scaled_backward(self.scaler, loss, **backward_options)
 
     def unscaled_grad(self, loss: torch.Tensor, inputs: Sequence[torch.Tensor],
                       create_graph: bool = True) -> tuple[torch.Tensor, ...]:
@@ -254,21 +245,7 @@ class Session:
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise UsageError("clip_grad_norm", clip_grad_norm, "a number > 0 or None",
                              "None turns clipping off")
-        scaler, grad_norm = self.scaler, None
-        if clip_grad_norm is not None:
-            # Unscale first: the threshold is in real gradient units. The agreed scaler
-            # also settles the skip decision across ranks here.
-            for optimizer in optimizers:
-                scaler.unscale_(optimizer)
-            params = [p for optimizer in optimizers for group in optimizer.param_groups
-                      for p in group["params"] if p.grad is not None]
-            grad_norm = nn.utils.clip_grad_norm_(params, clip_grad_norm)
-        for optimizer in optimizers:
-            scaler.step(optimizer)
-        if not update:
-            return StepResult(None, grad_norm)
-        scaler.update()
-        return StepResult(scaler.last_step_skipped(), grad_norm)
+        return amp_step(self.scaler, optimizers, clip_grad_norm=clip_grad_norm, update=update)
 
     def update(self) -> None:
         """Update the loss scale once, after every optimizer of the step has stepped."""
@@ -285,29 +262,82 @@ class Session:
         self.ctx  # noqa: B018 - raises when not started
         return all_gather_objects(obj)
 
-    # -- checkpoints (interim single-file format, see interim_checkpoint) -------------
+    # -- checkpoints: the Trainer's commit protocol, manifest and RNG states -------------
 
-    def save(self, path: str | os.PathLike[str], state: Mapping[str, Any]) -> None:
-        """Save models (unwrapped), optimizers, anything with `state_dict`, plain values
-        and the scaler into one file; rank 0 writes it atomically (collective)."""
-        self.ctx  # noqa: B018 - raises when not started
-        interim_checkpoint.save(path, state, self.scaler, self.is_main)
+    def save(self, path: str | os.PathLike[str], state: Mapping[str, Any]) -> Path:
+        """Save a checkpoint directory at `path`; rank 0 commits it atomically (collective).
 
-    def load(self, path: str | os.PathLike[str], state: Mapping[str, Any]) -> dict[str, Any]:
-        """Load a `save` file into the given objects and the scaler; return the whole file.
-
-        Every rank reads the same file, so all replicas (and scalers) agree afterwards.
+        `state` maps names to models (saved unwrapped, without `module.` prefixes),
+        optimizers, anything with `state_dict`, and plain values (numbers, strings, paths,
+        numpy values, containers of them). The loss scaler and every rank's RNG state are
+        saved too. A directory already at `path` is replaced only if it is a checkpoint,
+        and only once the new one is complete. Returns the path on every rank.
         """
-        return interim_checkpoint.load(path, state, self.scaler, self.device)
+        self.ctx  # noqa: B018 - raises when not started
+        if SCALER_KEY in state:
+            raise UsageError("state key", SCALER_KEY, "a key other than the reserved one",
+                             "the session saves its scaler under it; rename yours")
+        payload = {key: _state_of(value) for key, value in state.items()}
+        payload[SCALER_KEY] = self.scaler.state_dict()
+        meta = {"saved_by": "ddp_amp.Session", "precision": self.precision.name,
+                "loss_scaling": self.scaler.is_enabled(),
+                "scaler_skipped_total": int(self.scaler.skipped_steps().item())}
+        result = checkpoint.save_directory(Path(path), {STATE_FILE: payload}, meta, self.device,
+                                           self.world_size)
+        if result.error is not None:
+            raise result.error
+        return Path(path)
+
+    def load(self, path: str | os.PathLike[str], state: Mapping[str, Any], *,
+             restore_rng: bool = True) -> dict[str, Any]:
+        """Load a `save` checkpoint into the given objects and the scaler; return its state.
+
+        Collective. Every rank reads the directory (it must be on a filesystem every rank
+        sees) and checks it holds every key asked for; any rank's refusal is raised on
+        every rank before anything is loaded. Rank 0's scaler state is authoritative and
+        every rank verifies it agrees. With `restore_rng` each rank gets back the RNG
+        streams it saved, so a resumed loop draws what an uninterrupted one would.
+        """
+        ctx = self.ctx
+        target = on_every_rank(lambda: _find_checkpoint(Path(path)))
+
+        def holds_keys(loaded: checkpoint.LoadedCheckpoint) -> dict[str, Any]:
+            payload = loaded.files[STATE_FILE]
+            for key in state:
+                if key not in payload:
+                    raise UsageError("checkpoint key", key, f"one of {sorted(payload)}",
+                                     "save it first, or leave it out of the load")
+            return payload
+
+        loaded, payload = checkpoint.read_agreed(target, (STATE_FILE,), holds_keys, what="checkpoint")
+        for key, obj in state.items():
+            if isinstance(obj, nn.Module):
+                unwrap_model(obj).load_state_dict(payload[key])
+            elif hasattr(obj, "load_state_dict"):
+                obj.load_state_dict(payload[key])
+        checkpoint.restore_scaler(self.scaler, payload.get(SCALER_KEY) or {},
+                                  int(loaded.meta.get("scaler_skipped_total", 0)), self.precision.name,
+                                  str(loaded.meta.get("precision")), log.info)
+        if restore_rng:
+            checkpoint.restore_own_rng(loaded, ctx.rank, ctx.device)
+        return payload
 
 
-def _release_ddp(model: DDP) -> None:
-    """Drop a still-referenced DDP wrapper's hold on the process group before it goes.
+def _state_of(value: Any) -> Any:
+    if isinstance(value, nn.Module):
+        return unwrap_model(value).state_dict()  # no `module.` prefixes from the wrappers
+    if hasattr(value, "state_dict"):
+        return value.state_dict()
+    return value
 
-    The reducer and its logger keep the group alive; destroyed later (at interpreter exit)
-    gloo's destructor can abort or hang the process. The wrapper is unusable afterwards,
-    as any DDP model is once its group is gone.
-    """
-    for name in ("logger", "reducer", "process_group"):
-        model.__dict__.pop(name, None)
-    gc.collect()
+
+def _find_checkpoint(path: Path) -> Path:
+    """`path`, or the complete copy a crash during a re-save left beside it; else UsageError."""
+    found = checkpoint.complete_copy(path, log.warning)
+    if found is not None:
+        return found
+    if path.exists():
+        raise UsageError("checkpoint", str(path), "a complete checkpoint directory written by Session.save",
+                         "it could not be read (no valid manifest.json); it may be torn or not a checkpoint")
+    raise UsageError("checkpoint", str(path), "an existing checkpoint directory",
+                     "check the path; Session.save writes it")

@@ -17,16 +17,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddp_amp.amp import resolve_precision
 from ddp_amp.checkpoint import checkpoint_root, ensure_writable
 from ddp_amp.config import TrainConfig, parse_config
 from ddp_amp.dist import DistContext, init_distributed, shutdown_distributed
 from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import TrainingHalted, UsageError
+from ddp_amp.guards import EXIT_PREEMPTED
 from ddp_amp.metrics import make_run_log
-from ddp_amp.preempt import EXIT_PREEMPTED
-from ddp_amp.precision import resolve_precision
-from ddp_amp.tasks import load_task
-from ddp_amp.trainer import Trainer, seed_everything
+from ddp_amp.trainer import build_trainer, prepare_task
 
 
 def default_run_dir(config: TrainConfig, env: DistEnv) -> Path:
@@ -40,19 +39,18 @@ def train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     """Build everything for one rank, train, and return the summary (collective).
 
     Everything built here (DDP model, optimizer, reducer hooks) is freed when this
-    function returns, before the caller destroys the process group (see FACTS.md).
+    function returns, before the caller destroys the process group (docs/facts.md: a gloo
+    group torn down under a live DDP reducer can abort the process).
     """
     precision = resolve_precision(config.precision, ctx.device)
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config, ctx.env)
-    config.micro_batch_size(ctx.world_size)  # fail on a bad batch size before any work
-    seed_everything(config.seed)  # same model init on every rank
-    task = load_task(config.task, config)  # bad tasks fail before anything is written
-    seed_everything(config.seed + ctx.rank)  # per-rank dropout and augmentation
+    task = prepare_task(config, ctx)  # bad batch sizes and tasks fail before anything is written
     ckpt_root = checkpoint_root(run_dir)
-    ensure_writable(ckpt_root, run_dir, ctx.rank)  # all ranks fail together, before any work
+    ensure_writable(ckpt_root, run_dir)  # all ranks fail together, before any work
     run_log = make_run_log(ctx.rank, run_dir)
     try:
-        trainer = Trainer(config, task, ctx, precision, run_log, checkpoint_root=ckpt_root)
+        trainer = build_trainer(config, ctx, run_log, task=task, precision=precision,
+                                checkpoint_root=ckpt_root)
         run_log.write_json("config.json", {"config": config.to_dict(), "env": vars(ctx.env),
                                            "device": str(ctx.device), "backend": ctx.backend,
                                            "precision": precision.name})

@@ -1,75 +1,26 @@
 """Run test code in real processes: N gloo ranks of a function, or the CLI under torchrun.
 
-`run_ranks(fn, world_size, *args)` spawns `world_size` fresh interpreters, each joins a
-real gloo process group through ddp_amp's own env detection and init, calls
-`fn(ctx, *args)` and returns what each rank returned (in rank order). `fn` must be a
+`run_ranks(fn, world_size, *args)` is the library's own (`ddp_amp.dist.spawn`): fresh
+interpreters that join a real gloo group through ddp_amp's env detection and init, call
+`fn(ctx, *args)` and return what each rank returned, in rank order. `fn` must be a
 module-level function of an importable module (spawn pickles it by name).
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import socket
+import signal
 import subprocess
 import sys
-import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import torch
+from ddp_amp.dist.spawn import free_port, run_ranks
+
+__all__ = ["REPO_ROOT", "cli_env", "free_port", "kill_when", "run_ranks", "run_train"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
-               out_dir: str) -> None:
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-    })
-    torch.set_num_threads(1)  # 2 cores shared by all ranks
-    from ddp_amp.dist import init_distributed, shutdown_distributed
-    from ddp_amp.env import detect_env
-
-    ctx = init_distributed(detect_env(os.environ), device="cpu", timeout_s=60)
-    try:
-        result = fn(ctx, *args)
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-        result = None  # free DDP objects before the group goes (see FACTS.md)
-    finally:
-        shutdown_distributed()
-
-
-def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 120) -> list[Any]:
-    """Run `fn(ctx, *args)` on `world_size` real gloo ranks; return each rank's result."""
-    context = multiprocessing.get_context("spawn")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [context.Process(target=_rank_main, args=(r, world_size, port, fn, args, out_dir))
-                 for r in range(world_size)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(timeout)
-        alive = [p for p in procs if p.is_alive()]
-        for proc in alive:
-            proc.kill()
-            proc.join()
-        if alive:
-            raise TimeoutError(f"{len(alive)} rank(s) still running after {timeout}s")
-        codes = [p.exitcode for p in procs]
-        if any(codes):
-            raise RuntimeError(f"rank exit codes {codes}")
-        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
 def cli_env(gpus: bool = False, **extra: str) -> dict[str, str]:
@@ -99,3 +50,15 @@ def run_train(args: list[str], nproc: int = 0, timeout: float = 180, torchrun_ar
         command = [sys.executable, "-m", "ddp_amp.train", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                           env=env or cli_env(), cwd=cwd or REPO_ROOT)
+
+
+def kill_when(proc: subprocess.Popen[str], ready: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    """SIGKILL `proc` as soon as `ready()` holds (polled); fail if it exits or `timeout` passes first."""
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert proc.poll() is None and time.monotonic() < deadline, f"never reached {what}"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(30)

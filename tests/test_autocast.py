@@ -8,7 +8,7 @@ import threading
 import torch
 from torch import nn
 
-from ddp_amp.autocast import AutocastModule, unwrap_model
+from ddp_amp.amp import AutocastModule, unwrap_model
 
 
 def _forward_in_thread(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from ddp_amp.checkpoint import safe_load, verify_checkpoint
 from ddp_amp.checkpoint.commit import WRITE_DELAY_ENV
 from tests.resume_harness import TASK, assert_bitwise_equal
-from tests.multiproc import REPO_ROOT, cli_env, run_train
+from tests.multiproc import REPO_ROOT, cli_env, kill_when, run_train
 
 COMMON = ["--task", TASK, "--batch-size", "8", "--device", "cpu", "--log-every", "1000"]
 
@@ -43,14 +41,7 @@ def test_writer_killed_mid_write_keeps_previous_checkpoint(tmp_path: Path) -> No
     # Test-only slow-down: 0.3 s after each file, so the kill lands inside the step-4 write.
     proc = subprocess.Popen(command, env=cli_env(**{WRITE_DELAY_ENV: "0.3"}), cwd=REPO_ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while not any(root.glob(".tmp-step-00000004-*/model.pt")):
-            assert proc.poll() is None and time.monotonic() < deadline, "never reached the step-4 write"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait(30)
+    kill_when(proc, lambda: any(root.glob(".tmp-step-00000004-*/model.pt")), "the step-4 write")
     assert not (root / "step-00000004").exists()
     verify_checkpoint(root / "step-00000002")  # the previous one is whole
     resumed = run_train(COMMON + ["--max-steps", "6", "--ckpt-every", "2", "--run-dir", str(tmp_path)])

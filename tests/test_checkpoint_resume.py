@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ddp_amp.checkpoint import safe_load, verify_checkpoint
-from ddp_amp.checkpoint.load import map_data_position
+from ddp_amp.trainer.checkpointing import map_data_position
 from ddp_amp.dist import DistContext, init_distributed
 from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError

@@ -13,8 +13,9 @@ from ddp_amp.config import TrainConfig, parse_config
 from ddp_amp.dist import init_distributed
 from ddp_amp.env import detect_env
 from ddp_amp.errors import TrainingHalted, UsageError
-from ddp_amp.lossscale import LossScaleGuard, LossScaleOptions, next_scale
-from ddp_amp.scaler import AgreedGradScaler
+from ddp_amp.amp import LossScaleOptions, next_scale
+from ddp_amp.guards import LossScaleGuard
+from ddp_amp.amp import AgreedGradScaler
 from ddp_amp.train import train
 from tests.multiproc import run_train
 

@@ -7,8 +7,8 @@ from typing import Callable
 import pytest
 import torch
 
-from ddp_amp.lr_steps import TakenStepScheduler
-from ddp_amp.scaler import AgreedGradScaler
+from ddp_amp.trainer.lr_steps import TakenStepScheduler
+from ddp_amp.amp import AgreedGradScaler
 
 Schedule = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 SCHEDULES: dict[str, Schedule] = {

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddp_amp.errors import UsageError
-from ddp_amp.precision import cpu_has_native_bf16, resolve_precision
+from ddp_amp.amp import cpu_has_native_bf16, resolve_precision
 
 CPU = torch.device("cpu")
 

@@ -17,8 +17,8 @@ from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.metrics import QuietRunLog
-from ddp_amp.preempt import EXIT_PREEMPTED, parse_signals, requeue_slurm_job
-from ddp_amp.precision import resolve_precision
+from ddp_amp.guards import EXIT_PREEMPTED, parse_signals, requeue_slurm_job
+from ddp_amp.amp import resolve_precision
 from ddp_amp.tasks import load_task
 from ddp_amp.trainer import Trainer, seed_everything
 from ddp_amp.train import main
@@ -63,7 +63,7 @@ def _train_until_signalled(ctx: DistContext, checks: list[float]) -> list[dict[s
                                     QuietRunLog(ctx.rank))
         records.append({**trainer.fit(),
                         "handler_restored": signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL})
-        trainer = None  # free DDP before the next one (see FACTS.md)
+        trainer = None  # free DDP before the next one (docs/facts.md: teardown)
     return records
 
 

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_amp.autocast import AutocastModule
+from ddp_amp.amp import AutocastModule
 from ddp_amp.dist import DistContext
-from ddp_amp.scaler import AgreedGradScaler
+from ddp_amp.amp import AgreedGradScaler
 from tests.multiproc import run_ranks
 
 INIT_SCALE = 2.0**16

@@ -17,7 +17,7 @@ from ddp_amp.bench.recipe import RecipeSize, make_batches
 from ddp_amp.config import parse_config
 from ddp_amp.dist import DistContext
 from ddp_amp.errors import UsageError
-from ddp_amp.precision import Precision
+from ddp_amp.amp import Precision
 from tests.multiproc import run_ranks
 
 SIZE = RecipeSize(width=16, batch=8, layers=2)

@@ -1,4 +1,4 @@
-"""Session: lifecycle, wrapping, step and the interim checkpoint, in one process and on 2 ranks."""
+"""Session: lifecycle, wrapping, step and checkpoints, in one process and on 2 ranks."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_misuse_is_a_usage_error() -> None:
 
 
 def test_save_load_round_trip_restores_model_optimizer_scaler(tmp_path: Path) -> None:
-    path = tmp_path / "ckpt.pt"
+    path = tmp_path / "ckpt"
     with Session("fp16", "cpu", scaler_options={"init_scale": 512.0, "growth_interval": 1},
                  environ={}) as session:
         model = session.setup(tiny())
@@ -91,7 +91,7 @@ def test_save_load_round_trip_restores_model_optimizer_scaler(tmp_path: Path) ->
         saved_scale = session.scaler.get_scale()
         saved_weights = {k: v.clone() for k, v in session.unwrap(model).state_dict().items()}
     assert saved_scale == 2048.0
-    state = torch.load(path, weights_only=True)
+    state = torch.load(path / "state.pt", weights_only=True)
     assert not any(key.startswith("module.") for key in state["model"])  # unwrapped names
 
     with Session("fp16", "cpu", environ={}) as session:
@@ -109,16 +109,17 @@ def test_save_load_round_trip_restores_model_optimizer_scaler(tmp_path: Path) ->
 
 
 def test_failed_save_keeps_previous_file_and_leaves_no_scratch(tmp_path: Path) -> None:
-    path = tmp_path / "ckpt.pt"
+    path = tmp_path / "ckpt"
     with Session("fp32", "cpu", environ={}) as session:
         session.save(path, {"step": 1})
-        before = path.read_bytes()
+        before = (path / "state.pt").read_bytes()
         (tmp_path / "blocked").mkdir()
-        (tmp_path / "blocked" / "entry").write_text("x")  # a non-empty dir cannot be replaced
+        (tmp_path / "blocked" / "entry").write_text("x")  # not a checkpoint: never replaced
         with pytest.raises(UsageError, match="writable"):
             session.save(tmp_path / "blocked", {"step": 2})
-        assert path.read_bytes() == before
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["blocked", "ckpt.pt"]
+        assert (path / "state.pt").read_bytes() == before
+        assert (tmp_path / "blocked" / "entry").read_text() == "x"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["blocked", "ckpt"]
         with pytest.raises(UsageError, match="existing checkpoint"):
             session.load(tmp_path / "nope.pt", {})
         (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")

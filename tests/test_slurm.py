@@ -50,7 +50,7 @@ def test_multi_node_template_spans_two_nodes(slurm_cluster: Cluster, tmp_path: P
 
 def _final_weights(run_dir: Path) -> dict:
     from ddp_amp.checkpoint.discovery import checkpoint_root, list_step_dirs
-    from ddp_amp.checkpoint.state import MODEL_FILE
+    from ddp_amp.trainer.checkpointing import MODEL_FILE
 
     _, newest = list_step_dirs(checkpoint_root(run_dir))[-1]
     return torch.load(newest / MODEL_FILE, weights_only=True)

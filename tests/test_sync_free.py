@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from ddp_amp.bench.overhead import make_trainer
-from ddp_amp.bench.procs import run_ranks
+from ddp_amp.dist.spawn import run_ranks
 from ddp_amp.bench.recipe import RecipeSize, make_batches
 from ddp_amp.dist import DistContext
-from ddp_amp.lr_steps import TakenStepScheduler
-from ddp_amp.precision import Precision
+from ddp_amp.trainer.lr_steps import TakenStepScheduler
+from ddp_amp.amp import Precision
 
 SIZE = RecipeSize(width=256, batch=64, layers=3)
 
@@ -45,7 +45,7 @@ def _steps_without_sync(ctx: DistContext, optimizer_impl: str, scheduler: bool =
 @pytest.mark.cuda
 @pytest.mark.parametrize("scheduler", [False, True])
 def test_single_gpu_fp16_fused_step_has_no_host_sync(scheduler: bool) -> None:
-    result = run_ranks(_steps_without_sync, 1, "cuda", "fused", scheduler)[0]
+    result = run_ranks(_steps_without_sync, 1, "fused", scheduler, device="cuda", threads=0)[0]
     assert result["fused"] and result["steps"] == 8
 
 
@@ -53,7 +53,7 @@ def test_single_gpu_fp16_fused_step_has_no_host_sync(scheduler: bool) -> None:
 def test_ddp_over_nccl_on_one_gpu_fp16_fused_step_has_no_host_sync() -> None:
     # --backend nccl with one process: a group of one, so DDP's bucketed all-reduce over
     # NCCL, the overflow probe's comm hook and the scaler's fast path all run on one GPU.
-    result = run_ranks(_steps_without_sync, 1, "cuda", "fused", backend="nccl")[0]
+    result = run_ranks(_steps_without_sync, 1, "fused", device="cuda", backend="nccl", threads=0)[0]
     assert result["fused"] and result["steps"] == 8
     assert result["skipped_collectives"] == 0  # one rank has no peer to agree with: nothing to skip
 
@@ -62,7 +62,7 @@ def test_ddp_over_nccl_on_one_gpu_fp16_fused_step_has_no_host_sync() -> None:
 def test_ddp_fp16_fused_step_has_no_host_sync() -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs: two nccl ranks cannot share one GPU")
-    results = run_ranks(_steps_without_sync, 2, "cuda", "fused")
+    results = run_ranks(_steps_without_sync, 2, "fused", device="cuda", threads=0)
     assert all(r["fused"] and r["steps"] == 8 for r in results)
     # the scaler's fast path: no found-inf all-reduce in any of the 8 steps
     assert all(r["skipped_collectives"] == 8 for r in results)

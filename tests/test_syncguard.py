@@ -7,14 +7,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistContext
+from ddp_amp.dist import DistContext, wrap_ddp
 from ddp_amp.errors import TrainingHalted
-from ddp_amp.forensics import OverflowProbe
+from ddp_amp.guards import OverflowProbe
 from ddp_amp.metrics import make_run_log
-from ddp_amp.precision import resolve_precision
+from ddp_amp.amp import resolve_precision
 from ddp_amp.tasks import load_task
 from ddp_amp.trainer import Trainer, seed_everything
 from tests.multiproc import run_ranks
@@ -45,9 +44,8 @@ def _train_then_perturb(ctx: DistContext) -> dict[str, object]:
 def _bucket_forensics(ctx: DistContext) -> dict[str, object]:
     """The GPU path of the overflow probe (device-side bucket counts), driven on a CPU."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    ddp = DDP(model)
     probe = OverflowProbe(list(model.named_parameters()), ctx.rank, ctx.device, exact=False)
-    probe.install(ddp)
+    ddp = wrap_ddp(model, ctx.device, comm_hook=probe.comm_hook())
     scale = float("inf") if ctx.rank == 1 else 1.0
     (ddp(torch.ones(2, 4)).sum() * scale).backward()
     record = probe.report(step=1, skipped=1)

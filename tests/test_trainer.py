@@ -7,11 +7,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_amp.autocast import unwrap_model
+from ddp_amp.amp import unwrap_model
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistContext
 from ddp_amp.metrics import QuietRunLog
-from ddp_amp.precision import resolve_precision
+from ddp_amp.amp import resolve_precision
 from ddp_amp.tasks import Task, load_task
 from ddp_amp.trainer import Trainer, seed_everything
 from tests.multiproc import run_ranks

@@ -13,7 +13,7 @@ from ddp_amp.dist import DistContext, init_distributed
 from ddp_amp.env import detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.metrics import QuietRunLog
-from ddp_amp.precision import resolve_precision
+from ddp_amp.amp import resolve_precision
 from ddp_amp.tasks import load_task
 from ddp_amp.trainer import Trainer, seed_everything
 from tests.multiproc import run_ranks, run_train

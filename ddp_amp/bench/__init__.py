@@ -2,6 +2,7 @@
 
 Modules: `recipe` (the AMP recipe's network, data and hand-written loop), `amp_recipe`
 (fp32 / fp16 / bf16 trials), `overhead` (hand loop vs Trainer, interleaved), `fastpaths`
-(one paired ratio per fast path), `stats` (interleaving, paired ratios), `procs` (fresh
-processes and ranks), `table` (text output), `__main__` (the command line).
+(one paired ratio per fast path), `stats` (interleaving, paired ratios), `table` (text
+output), `__main__` (the command line); and `checkpoint_stall` (how long a save blocks
+training). Fresh processes and ranks come from `ddp_amp.dist.spawn`.
 """

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from ddp_amp.bench.procs import run_fresh
+from ddp_amp.dist.spawn import run_ranks
 from ddp_amp.bench.recipe import HandLoop, RecipeSize, make_batches, seeded_model, sync
 from ddp_amp.dist import DistContext
 from ddp_amp.metrics import peak_memory_mb
 from ddp_amp.errors import UsageError
-from ddp_amp.precision import resolve_precision
+from ddp_amp.amp import resolve_precision
 
 TRIALS = ("fp32", "fp16", "bf16")
 WARMUP_STEPS = 3
@@ -77,7 +77,8 @@ def run(device: str, scale: float, batches: int = 50, epochs: int = 3,
         trials: tuple[str, ...] = TRIALS, threads: int = 0) -> dict[str, Any]:
     """Run every trial in its own process; add each trial's speed-up over fp32."""
     size = RecipeSize().scaled(scale)
-    rows = [run_fresh(_trial, device, name, size, batches, epochs, threads=threads) for name in trials]
+    rows = [run_ranks(_trial, 1, name, size, batches, epochs, device=device, threads=threads, timeout=1800)[0]
+            for name in trials]
     base = next((row["total_s"] for row in rows if row["precision"] == "fp32" and "total_s" in row), None)
     for row in rows:
         if "total_s" in row:

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from ddp_amp.bench.overhead import N_BATCHES, make_trainer
-from ddp_amp.bench.procs import run_ranks
+from ddp_amp.dist.spawn import run_ranks
 from ddp_amp.bench.recipe import HandLoop, RecipeSize, make_batches, seeded_model
 from ddp_amp.bench.stats import interleave, median_ms, paired_ratio
 from ddp_amp.dist import DistContext
-from ddp_amp.precision import Precision
+from ddp_amp.amp import Precision
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 Stepper = Callable[[], Any]
@@ -115,7 +115,7 @@ def run(device: str, ranks: int, scale: float, precision: str, blocks: int, step
         with_compile: bool, threads: int = 0, backend: str = "auto") -> dict[str, Any]:
     """Every fast-path comparison on the (scaled) recipe model, `ranks` processes."""
     size = RecipeSize().scaled(scale)
-    rows = run_ranks(_measure, ranks, device, size, precision, blocks, steps, with_compile, threads=threads,
-                     backend=backend)[0]
+    rows = run_ranks(_measure, ranks, size, precision, blocks, steps, with_compile, device=device,
+                     threads=threads, backend=backend, timeout=1800)[0]
     return {"size": {"width": size.width, "batch": size.batch, "layers": size.layers},
             "precision": precision, "ranks": ranks, "rows": rows}

@@ -22,15 +22,14 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from ddp_amp.bench.procs import run_ranks
+from ddp_amp.dist.spawn import run_ranks
 from ddp_amp.bench.recipe import HandLoop, RecipeSize, make_batches, seeded_model
 from ddp_amp.bench.stats import interleave, median_ms, paired_ratio
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistContext
-from ddp_amp.metrics import QuietRunLog
-from ddp_amp.precision import Precision
+from ddp_amp.amp import Precision
 from ddp_amp.tasks import Task
-from ddp_amp.trainer import Trainer
+from ddp_amp.trainer import Trainer, build_trainer
 
 TINY = RecipeSize(width=256, batch=64, layers=2)  # Python overhead dominates its step
 N_BATCHES = 8  # distinct pre-made batches per rank, cycled
@@ -46,7 +45,7 @@ def make_trainer(ctx: DistContext, size: RecipeSize, precision: Precision,
     targets = torch.cat([y.cpu() for _, y in batches])
     task = Task(model=seeded_model(size, ctx.device), train_data=TensorDataset(inputs, targets),
                 loss_fn=nn.functional.mse_loss, name="bench")
-    trainer = Trainer(config, task, ctx, precision, QuietRunLog(ctx.rank))
+    trainer = build_trainer(config, ctx, task=task, precision=precision)
     trainer.stream = itertools.cycle(batches)  # type: ignore[assignment]
     return trainer
 
@@ -91,7 +90,7 @@ def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: in
 def _agreement_cost(ctx: DistContext, blocks: int, steps: int) -> dict[str, Any]:
     """Tiny model, loss scaling on but fp32 compute: the agreement's cost without slow fp16 kernels.
 
-    On a CPU without fp16 units a tiny fp16 step is ~4x slower than fp32 (FACTS.md), which
+    On a CPU without fp16 units a tiny fp16 step is ~4x slower than fp32 (docs/facts.md), which
     hides a ~0.2 ms collective in noise; with autocast off the step is as short as it gets
     while the scaler still runs its found-inf check and (without the fast path) all-reduce.
     Collective: every rank runs the same schedule.
@@ -125,5 +124,5 @@ def _measure_both(ctx: DistContext, size: RecipeSize, precision_name: str, block
 def run(device: str, ranks: int, scale: float, precision: str, blocks: int, steps: int,
         threads: int = 0, backend: str = "auto") -> dict[str, Any]:
     """The overhead on the (scaled) recipe model and on the tiny model, `ranks` processes."""
-    return run_ranks(_measure_both, ranks, device, RecipeSize().scaled(scale), precision, blocks, steps,
-                     threads=threads, backend=backend)[0]
+    return run_ranks(_measure_both, ranks, RecipeSize().scaled(scale), precision, blocks, steps, device=device,
+                     threads=threads, backend=backend, timeout=1800)[0]

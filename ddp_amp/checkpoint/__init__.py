@@ -1,33 +1,35 @@
-"""Checkpoints that survive crashes: commit protocol, discovery, contents, safe loading.
+"""Checkpoints that survive crashes: commit protocol, discovery, safe loading, agreement.
 
-    from ddp_amp.checkpoint import save_checkpoint, load_checkpoint, newest_complete
+    from ddp_amp.checkpoint import save_checkpoint, read_agreed, newest_complete
 
-The trainer uses `Trainer.save_checkpoint()` / `Trainer.load_checkpoint(path)`; these
-functions are the layer beneath, usable from a user's own loop.
+- `commit`: a directory appears whole or not at all (temporary directory, fsync, manifest,
+  rename); retention deletes old checkpoints only after a new one is committed;
+- `manifest`: sizes and sha256 of every file, so a torn checkpoint is told from a whole one;
+- `discovery`: `step-N` layout, the newest complete checkpoint, `--resume auto|none|PATH`;
+- `safe_types`: what a checkpoint may hold and the restricted loader that reads it back;
+- `rng`: every rank's RNG states;
+- `save` / `load`: the collective save and load that the Trainer and `Session` both use.
+
+What goes into the files is the caller's: the Trainer saves its model and training state,
+`Session` the user's state. Imports `amp`, `dist`, `durable`, `errors` and `version`.
 """
 
-from ddp_amp.checkpoint.commit import commit_checkpoint
-from ddp_amp.checkpoint.discovery import checkpoint_root, newest_complete, resolve_resume, step_dir_name
-from ddp_amp.checkpoint.load import choose_checkpoint, load_checkpoint, safe_load
+from ddp_amp.checkpoint.commit import apply_retention, commit_checkpoint, commit_directory
+from ddp_amp.checkpoint.discovery import (checkpoint_root, complete_copy, list_step_dirs, newest_complete,
+                                          resolve_resume, step_dir_name)
+from ddp_amp.checkpoint.load import (LoadedCheckpoint, choose_checkpoint, read_agreed, read_checkpoint,
+                                     restore_own_rng, restore_scaler)
 from ddp_amp.checkpoint.manifest import IncompleteCheckpoint, verify_checkpoint
-from ddp_amp.checkpoint.save import CheckpointError, SaveResult, ensure_writable, save_checkpoint
-from ddp_amp.checkpoint.state import TrainingParts, describe_run
+from ddp_amp.checkpoint.rng import capture_rng, gather_rng_states, restore_rng
+from ddp_amp.checkpoint.safe_types import check_loadable, safe_load
+from ddp_amp.checkpoint.save import (META_FILE, RNG_FILE, CheckpointError, SaveResult, ensure_writable,
+                                     save_checkpoint, save_directory)
 
 __all__ = [
-    "CheckpointError",
-    "IncompleteCheckpoint",
-    "SaveResult",
-    "TrainingParts",
-    "checkpoint_root",
-    "choose_checkpoint",
-    "commit_checkpoint",
-    "describe_run",
-    "ensure_writable",
-    "load_checkpoint",
-    "newest_complete",
-    "resolve_resume",
-    "safe_load",
-    "save_checkpoint",
-    "step_dir_name",
-    "verify_checkpoint",
+    "META_FILE", "RNG_FILE", "CheckpointError", "IncompleteCheckpoint", "LoadedCheckpoint", "SaveResult",
+    "apply_retention", "capture_rng", "check_loadable", "checkpoint_root", "choose_checkpoint",
+    "commit_checkpoint", "commit_directory", "complete_copy", "ensure_writable", "gather_rng_states",
+    "list_step_dirs", "newest_complete", "read_agreed", "read_checkpoint", "resolve_resume",
+    "restore_own_rng", "restore_rng", "restore_scaler", "safe_load", "save_checkpoint", "save_directory",
+    "step_dir_name", "verify_checkpoint",
 ]

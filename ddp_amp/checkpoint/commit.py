@@ -1,11 +1,13 @@
 """The commit protocol: a checkpoint appears whole or not at all, and old ones go only after.
 
-1. Write every file into `.tmp-step-N-<pid>/` beside the target, fsyncing each.
+1. Write every file into `.tmp-<name>-<pid>/` beside the target, fsyncing each.
 2. Write `manifest.json` (sizes + sha256 of the others) last, fsync it and the directory.
-3. Rename the directory to `step-N` (atomic on POSIX), then fsync the parent so the rename
+3. Rename the directory to its name (atomic on POSIX), then fsync the parent so the rename
    itself survives a power cut.
-4. Only then apply `--keep-last`: a crash or a full disk at any point leaves every
-   previously committed checkpoint untouched.
+4. Only then, for a run's `step-N` checkpoints, apply `--keep-last`: a crash or a full
+   disk at any point leaves every previously committed checkpoint untouched.
+`commit_directory` does 1-3 for any target (what `Session.save` writes);
+`commit_checkpoint` adds the step naming and retention of a run's `checkpoints/` folder.
 """
 
 from __future__ import annotations
@@ -20,24 +22,15 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ddp_amp.checkpoint.discovery import list_step_dirs, step_dir_name
+from ddp_amp.checkpoint.discovery import ASIDE_PREFIX, SCRATCH_PREFIX, list_step_dirs, step_dir_name
 from ddp_amp.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileRecord, encode_manifest
+from ddp_amp.durable import fsync_dir
 
 log = logging.getLogger(__name__)
 
 # Test-only: seconds to sleep after each file is written, so a test can kill the writer
 # while a checkpoint is half-written. Not an option for users; never set in production.
 WRITE_DELAY_ENV = "DDP_AMP_TEST_CKPT_WRITE_DELAY"
-SCRATCH_PREFIX = ".tmp-"
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush a directory's entries (new names, renames) to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _HashingWriter:
@@ -108,21 +101,21 @@ def _move_into_place(scratch: Path, target: Path) -> None:
         return
     # rename() cannot replace a non-empty directory; move the old one aside first. Only
     # the same step is briefly absent here, never an older checkpoint.
-    aside = target.with_name(f"{SCRATCH_PREFIX}old-{target.name}-{os.getpid()}")
+    aside = target.with_name(f"{ASIDE_PREFIX}{target.name}-{os.getpid()}")
     os.rename(target, aside)
     os.rename(scratch, target)
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def commit_checkpoint(root: Path, step: int, files: dict[str, Any], keep_last: int = 0) -> Path:
-    """Write `files` (name -> bytes or torch.save-able object) as checkpoint `step` under `root`.
+def commit_directory(target: Path, files: dict[str, Any], step: int = 0) -> Path:
+    """Write `files` (name -> bytes or torch.save-able object) as the directory `target`.
 
-    Returns the committed directory. On any failure the partial directory is removed (which
-    also frees the space a full disk needs) and the error propagates; nothing older changes.
+    Returns `target`. On any failure the partial directory is removed (which also frees
+    the space a full disk needs) and the error propagates; nothing else changes. An
+    existing `target` is replaced whole (see `_move_into_place`).
     """
-    root.mkdir(parents=True, exist_ok=True)
-    target = root / step_dir_name(step)
-    scratch = root / f"{SCRATCH_PREFIX}{target.name}-{os.getpid()}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = target.with_name(f"{SCRATCH_PREFIX}{target.name}-{os.getpid()}")
     shutil.rmtree(scratch, ignore_errors=True)
     delay = _write_delay()
     try:
@@ -136,10 +129,20 @@ def commit_checkpoint(root: Path, step: int, files: dict[str, Any], keep_last: i
         _write_file(scratch / MANIFEST_NAME, encode_manifest(manifest))
         fsync_dir(scratch)
         _move_into_place(scratch, target)
-        fsync_dir(root)
+        fsync_dir(target.parent)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
+    # What killed writes of this name left behind is obsolete now that a whole one is here.
+    for pattern in (f"{SCRATCH_PREFIX}{target.name}-*", f"{ASIDE_PREFIX}{target.name}-*"):
+        for leftover in target.parent.glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
+    return target
+
+
+def commit_checkpoint(root: Path, step: int, files: dict[str, Any], keep_last: int = 0) -> Path:
+    """Commit `files` as checkpoint `step` under `root`, then apply retention; returns its path."""
+    target = commit_directory(root / step_dir_name(step), files, step)
     remove_scratch(root)
     apply_retention(root, keep_last, target)
     return target

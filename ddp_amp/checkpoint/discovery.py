@@ -15,6 +15,10 @@ from ddp_amp.checkpoint.manifest import IncompleteCheckpoint, verify_checkpoint
 from ddp_amp.errors import UsageError
 
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
+# Scratch directories of writes under way (or killed), and a committed directory moved
+# aside for a moment while the same name is saved again (see commit._move_into_place).
+SCRATCH_PREFIX = ".tmp-"
+ASIDE_PREFIX = ".tmp-old-"
 RESUME_CHOICES = ("auto", "none")
 
 
@@ -39,6 +43,24 @@ def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
 
 
 ASIDE_DIR = re.compile(r"^\.tmp-old-step-(\d{8,})-\d+$")
+
+
+def complete_copy(target: Path, warn: Callable[[str], None]) -> Path | None:
+    """`target` if it is a complete checkpoint, else a complete copy a crash left set aside.
+
+    A save that replaces `target` moves the old directory aside for a moment; a crash in
+    that moment leaves the old one under its aside name, and it is still good.
+    """
+    for path in [target, *sorted(target.parent.glob(f"{ASIDE_PREFIX}{target.name}-*"), reverse=True)]:
+        if not path.exists():
+            continue
+        try:
+            verify_checkpoint(path)
+        except IncompleteCheckpoint as reason:
+            warn(f"skipping incomplete checkpoint {path}: {reason}")
+            continue
+        return path
+    return None
 
 
 def _candidates(root: Path) -> list[Path]:

@@ -1,25 +1,36 @@
 """Saving as a collective: every rank calls it, rank 0 writes, every rank learns the outcome.
 
 RNG states are gathered from all ranks first (each rank's dropout stream differs); then
-rank 0 commits the checkpoint and broadcasts the committed path or the reason it failed,
-so no rank carries on believing a checkpoint exists that does not.
+rank 0 checks that every file will load back, commits the directory and tells every rank
+the committed path or why there is none (`dist.on_rank_zero`), so no rank carries on
+believing a checkpoint exists that does not, and no rank waits on a rank 0 that failed.
+
+The caller names the files (the Trainer: model, train state; `Session`: the user's
+state); `rng.pt` (every rank's RNG) and `meta.json` (world size, versions, the caller's
+description) are added here.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.checkpoint.commit import check_writable, commit_checkpoint
-from ddp_amp.checkpoint.discovery import list_step_dirs, step_dir_name
-from ddp_amp.checkpoint.state import (META_FILE, MODEL_FILE, RNG_FILE, TRAIN_FILE, TrainingParts,
-                                      capture_train_state, gather_rng_states)
-from ddp_amp.dist import broadcast_object
-from ddp_amp.errors import UsageError
+import torch
 
+from ddp_amp.checkpoint.commit import check_writable, commit_checkpoint, commit_directory
+from ddp_amp.checkpoint.discovery import list_step_dirs, step_dir_name
+from ddp_amp.checkpoint.manifest import MANIFEST_NAME
+from ddp_amp.checkpoint.rng import gather_rng_states
+from ddp_amp.checkpoint.safe_types import check_loadable
+from ddp_amp.dist import on_rank_zero
+from ddp_amp.errors import UsageError
+from ddp_amp.version import __version__
+
+META_FILE, RNG_FILE = "meta.json", "rng.pt"
 _NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 
 
@@ -35,48 +46,90 @@ class SaveResult:
     error: CheckpointError | None
 
 
-def _write_failure(root: Path, step: int, error: OSError) -> tuple[str, str, str, str]:
-    """CheckpointError's arguments (exceptions with custom __init__ do not survive pickling)."""
-    kept = list_step_dirs(root)
-    kept_note = (f"the previous checkpoint {kept[-1][1].name} is kept" if kept
-                 else "no earlier checkpoint exists")
+def _write_failure(target: Path, error: OSError) -> CheckpointError:
+    siblings = list_step_dirs(target.parent)
+    if target.exists():
+        kept_note = f"the previous {target.name} is kept"
+    elif siblings:
+        kept_note = f"the previous checkpoint {siblings[-1][1].name} is kept"
+    else:
+        kept_note = "no earlier checkpoint exists"
     if error.errno in _NO_SPACE:
         hint = f"free disk space (or lower --keep-last); {kept_note}"
     else:
-        hint = f"make the run directory writable or pick another --run-dir; {kept_note}"
-    return ("checkpoint", str(root / step_dir_name(step)),
-            f"a complete write, but it failed: {error.strerror or error}", hint)
+        hint = f"make the directory writable or pick another location; {kept_note}"
+    return CheckpointError("checkpoint", str(target), f"a complete write, but it failed: "
+                           f"{error.strerror or error}", hint)
 
 
-def save_checkpoint(root: Path, rank: int, parts: TrainingParts, step: int, samples_seen: int,
-                    meta: dict[str, Any], keep_last: int) -> SaveResult:
-    """Commit checkpoint `step` under `root` (collective: gather RNG, rank 0 writes, broadcast)."""
-    rng_states = gather_rng_states(parts.device)
-    outcome: tuple[str | None, tuple[str, str, str, str] | None] = (None, None)
-    if rank == 0:
-        files = {
-            MODEL_FILE: parts.model.state_dict(),
-            TRAIN_FILE: capture_train_state(parts, step, samples_seen),
-            RNG_FILE: {"ranks": rng_states},
-            META_FILE: (json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n").encode(),
-        }
+def _entries(files: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(name, value) to check: each top-level entry of a dict file, so errors name the key."""
+    found = []
+    for name, payload in files.items():
+        if isinstance(payload, dict):
+            found.extend((f"{name}[{key!r}]", value) for key, value in payload.items())
+        elif not isinstance(payload, bytes):
+            found.append((name, payload))
+    return found
+
+
+def _save(target: Path, commit: Callable[[dict[str, Any]], Path], files: dict[str, Any],
+          meta: dict[str, Any], device: torch.device, world_size: int) -> SaveResult:
+    rng_states = gather_rng_states(device)
+
+    def write() -> tuple[str | None, CheckpointError | None]:
+        for name, value in _entries(files):
+            check_loadable(name, value)
+        description = {**meta, "world_size": world_size, "ddp_amp_version": __version__,
+                       "torch_version": torch.__version__}
+        contents = {**files, RNG_FILE: {"ranks": rng_states},
+                    META_FILE: (json.dumps(description, indent=2, sort_keys=True, default=str) + "\n").encode()}
         try:
-            outcome = (str(commit_checkpoint(root, step, files, keep_last)), None)
+            return str(commit(contents)), None
         except OSError as error:
-            outcome = (None, _write_failure(root, step, error))
-    path, failure = broadcast_object(outcome)  # type: ignore[misc]
-    return SaveResult(Path(path) if path else None, CheckpointError(*failure) if failure else None)
+            return None, _write_failure(target, error)
+
+    path, failure = on_rank_zero(write)
+    return SaveResult(Path(path) if path else None, failure)
 
 
-def ensure_writable(root: Path, run_dir: Path, rank: int) -> None:
+def save_checkpoint(root: Path, step: int, files: dict[str, Any], meta: dict[str, Any],
+                    device: torch.device, world_size: int, keep_last: int = 0) -> SaveResult:
+    """Commit checkpoint `step` under `root` and apply retention (collective).
+
+    A write that fails for the disk's sake (full, read-only) comes back as
+    `SaveResult.error` on every rank; state that would not load back raises UsageError
+    on every rank; either way nothing older is touched.
+    """
+    return _save(root / step_dir_name(step), lambda contents: commit_checkpoint(root, step, contents, keep_last),
+                 files, meta, device, world_size)
+
+
+def save_directory(target: Path, files: dict[str, Any], meta: dict[str, Any], device: torch.device,
+                   world_size: int) -> SaveResult:
+    """Commit a checkpoint as the directory `target`, replacing a checkpoint there (collective).
+
+    Anything else at `target` (a file, a directory without a manifest) is the user's and
+    is never replaced: the save raises UsageError on every rank instead.
+    """
+    def commit(contents: dict[str, Any]) -> Path:
+        if target.exists() and not (target / MANIFEST_NAME).is_file():
+            raise UsageError("checkpoint path", str(target), "a writable checkpoint location: a new "
+                             "path or an earlier checkpoint (a directory with manifest.json)",
+                             "something else is there and is not overwritten; pick another path")
+        return commit_directory(target, contents)
+
+    return _save(target, commit, files, meta, device, world_size)
+
+
+def ensure_writable(root: Path, run_dir: Path) -> None:
     """Fail early, on every rank, if rank 0 cannot write checkpoints under `root` (collective)."""
-    problem: str | None = None
-    if rank == 0:
+    def probe() -> None:
         try:
             check_writable(root)
         except OSError as error:
-            problem = f"{error.strerror or error} ({error.filename or root})"
-    problem = broadcast_object(problem)  # type: ignore[assignment]
-    if problem:
-        raise UsageError("--run-dir", str(run_dir), "a writable directory for checkpoints",
-                         f"{problem}; pick another --run-dir or fix its permissions")
+            raise UsageError("--run-dir", str(run_dir), "a writable directory for checkpoints",
+                             f"{error.strerror or error} ({error.filename or root}); pick another "
+                             "--run-dir or fix its permissions") from None
+
+    on_rank_zero(probe)

@@ -11,7 +11,10 @@ after step while the scale sinks towards zero, and the loss goes NaN much later.
 - `OverflowCounters`: on-device counts of consecutive skipped steps, and of consecutive
   skips that happened with the scale already at its floor. They are updated with tensor ops
   (no host sync) and read only when the guard checks.
-- `LossScaleGuard`: the host-side check that turns those counts into a `TrainingHalted`.
+- `LossScaleOptions`: the settings, validated with a hint.
+
+The host-side check that turns those counts into a `TrainingHalted` lives with the other
+guards (`ddp_amp.guards.loss_scale`).
 
 Everything here runs on the scaler's device; the skip flags it consumes are the
 rank-agreed ones, so every rank reaches the same decision without another collective.
@@ -20,15 +23,10 @@ rank-agreed ones, so every rank reaches the same decision without another collec
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from ddp_amp.errors import TrainingHalted, UsageError
-
-if TYPE_CHECKING:
-    from ddp_amp.config import TrainConfig
-    from ddp_amp.scaler import AgreedGradScaler
+from ddp_amp.errors import UsageError
 
 
 def next_scale(scale: torch.Tensor, growth_tracker: torch.Tensor, streak: torch.Tensor,
@@ -119,11 +117,6 @@ class LossScaleOptions:
     hysteresis: int = 1
     max_consecutive_skips: int = 100
 
-    @classmethod
-    def from_config(cls, config: TrainConfig) -> LossScaleOptions:
-        return cls(config.loss_scale_init, config.loss_scale_growth_interval, config.loss_scale_backoff,
-                   config.loss_scale_min, config.loss_scale_hysteresis, config.max_consecutive_skips)
-
     def scaler_kwargs(self) -> dict[str, float | int]:
         """Keyword arguments for `AgreedGradScaler` / `Precision.make_scaler`."""
         return {"init_scale": self.init_scale, "growth_interval": self.growth_interval,
@@ -144,43 +137,3 @@ class LossScaleOptions:
                                    ("--max-consecutive-skips", self.max_consecutive_skips, 0)):
             if value < least:
                 raise UsageError(flag, value, f"an integer >= {least}", f"e.g. {flag} {max(least, 1)}")
-
-
-_ADVICE = ("Nothing was checkpointed from this state. Try --precision bf16 (fp32's exponent "
-           "range, no loss scaling), a lower --lr, or --clip-grad-norm 1.0.")
-
-
-class LossScaleGuard:
-    """Stops training when fp16 loss scaling is failing instead of letting it decay quietly."""
-
-    def __init__(self, options: LossScaleOptions) -> None:
-        self.options = options
-
-    def check(self, scaler: AgreedGradScaler, step: int) -> None:
-        """Raise `TrainingHalted` if the skip counters crossed a limit (one host read).
-
-        Every rank reads the same agreed counters, so every rank raises together.
-        """
-        if not scaler.is_enabled():
-            return
-        streak, floor_streak = scaler.overflow_counters.worst()
-        limit = self.options.max_consecutive_skips
-        if limit and streak >= limit:
-            raise TrainingHalted(
-                f"fp16 loss scaling failed at step {step}: {streak} consecutive optimizer steps were "
-                f"skipped because the gradients held inf/NaN (limit --max-consecutive-skips {limit}); "
-                f"loss scale now {scaler.get_scale():.4g}. " + _ADVICE)
-        if self.options.min_scale > 0 and floor_streak >= self.options.hysteresis:
-            raise TrainingHalted(
-                f"fp16 loss scaling failed at step {step}: the loss scale reached its floor "
-                f"{self.options.min_scale:g} (--loss-scale-min) and the gradients still overflowed "
-                f"({floor_streak} skipped step(s) at the floor). " + _ADVICE)
-
-
-def check_loss_finite(loss: float, step: int, precision: str) -> None:
-    """Raise `TrainingHalted` for a non-finite logged loss (any precision)."""
-    if loss == loss and abs(loss) != float("inf"):
-        return
-    advice = _ADVICE if precision == "fp16" else ("Nothing was checkpointed from this state. Try a "
-                                                  "lower --lr or --clip-grad-norm 1.0.")
-    raise TrainingHalted(f"the loss is {loss} at step {step} (mean over ranks, {precision}). " + advice)

@@ -5,9 +5,10 @@ What "local" means here. Under DDP each rank's gradients are all-reduced bucket 
 found-inf flags are computed after that reduction, so by the time the scaler looks, every
 rank sees the same non-finite values and the flag cannot say where they came from. The
 only place a rank's own gradients can be seen is before the bucket is reduced: a DDP
-communication hook. `OverflowProbe.install(ddp_model)` wraps the default all-reduce hook
-with one check per bucket, "is the bucket's sum finite", on the rank's local (pre-reduction,
-already loss-scaled) gradients.
+communication hook. `OverflowProbe.comm_hook(inner)` is a hook that runs one check per
+bucket, "is the bucket's sum finite", on the rank's local (pre-reduction, already
+loss-scaled) gradients, and then the reduction (`inner`, or DDP's plain all-reduce); the
+caller hands it to `wrap_model`, the one place DDP hooks are registered.
 
 Cost. The per-bucket check is one sum over the gradient memory, kept on the device: no host
 sync per step on a GPU. The expensive part (per-parameter scan, an
@@ -28,9 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_amp.dist import all_gather_objects
+from ddp_amp.dist import CommHook, all_gather_objects
 
 
 def _nonfinite(tensor: torch.Tensor) -> torch.Tensor:
@@ -72,19 +72,16 @@ class OverflowProbe:
         self._local_bad = False
         self._bucket_bad: dict[int, torch.Tensor] = {}
 
-    def install(self, model: nn.Module, inner_hook: Any = None) -> bool:
-        """Register the checking hook as `model`'s DDP comm hook; False if not DDP.
+    def comm_hook(self, inner_hook: CommHook | None = None) -> CommHook:
+        """The DDP comm hook that checks each local bucket, then reduces it.
 
-        The check runs on the local bucket, then `inner_hook` (e.g. a `--grad-comm-dtype`
-        compression hook) or DDP's plain all-reduce does the reduction: DDP takes one hook
-        only, so the probe wraps the other. Call before the first backward (DDP's rule).
+        `inner_hook` (e.g. a `--grad-comm-dtype` compression hook) or DDP's plain
+        all-reduce does the reduction: DDP takes one hook only, so the probe wraps the
+        other. Register it before the first backward (DDP's rule), as `wrap_model` does.
         """
-        if not isinstance(model, DDP):
-            return False
         self._inner_hook = inner_hook
-        model.register_comm_hook(state=None, hook=self._hook)
         self._hooked = True
-        return True
+        return self._hook
 
     def _hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         bad = _sum_nonfinite(bucket.buffer())

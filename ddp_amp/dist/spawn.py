@@ -1,16 +1,23 @@
-"""Fresh processes for the benchmark: one per trial (so memory peaks don't carry over) or N ranks.
+"""Run a function on N fresh local processes that form a real process group.
 
-Functions passed here must be module-level (spawn pickles them by name). Each child gets
-`OMP_NUM_THREADS` from `threads`, so two CPU ranks don't fight over the same cores.
+    results = run_ranks(fn, 2, arg, device="cpu")   # fn(ctx, arg) on ranks 0 and 1
+
+Each child is a new interpreter (spawn), joins the group through ddp_amp's own launcher
+detection and `init_distributed`, calls `fn(ctx, *args)` and sends back what it returned;
+the parent returns the results in rank order. Used by the benchmark (a fresh process per
+trial, so memory peaks do not carry over) and by the multi-rank tests. `fn` must be a
+module-level function of an importable module: spawn pickles it by name.
 """
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import os
 import queue as queue_module
 import socket
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -21,49 +28,56 @@ _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
 def _child(queue: Any, rank: int, world_size: int, port: int, device: str, backend: str, threads: int,
-           fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+           dist_timeout_s: float, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     for name in _LAUNCH_VARS:
         os.environ.pop(name, None)
-    if world_size > 1 or port:
+    if world_size > 1:
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                            "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     if threads:
         torch.set_num_threads(threads)
-    from ddp_amp.dist import init_distributed, shutdown_distributed
+    from ddp_amp.dist.group import init_distributed, shutdown_distributed
     from ddp_amp.env import detect_env
 
     try:
         ctx = init_distributed(detect_env(os.environ), device=device, backend=backend,  # type: ignore[arg-type]
-                               timeout_s=300)
+                               timeout_s=dist_timeout_s)
         try:
-            result = fn(ctx, *args)
+            buffer = io.BytesIO()
+            # torch.save, not the queue's pickling: tensors in a result then travel as
+            # bytes, not as shared memory that would vanish with this process.
+            torch.save(fn(ctx, *args), buffer)
         finally:
-            shutdown_distributed()
-        queue.put((rank, "ok", result))
+            shutdown_distributed()  # after fn's DDP objects are gone: they were local to fn
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises
-        queue.put((rank, "error", f"{type(error).__name__}: {error}"))
+        queue.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, device: str, *args: Any,
-              threads: int = 0, timeout: float = 1800, backend: str = "auto") -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "cpu",
+              backend: str = "auto", threads: int = 1, timeout: float = 600.0,
+              dist_timeout_s: float = 120.0) -> list[Any]:
     """Run `fn(ctx, *args)` on `world_size` fresh processes (a group if > 1); results by rank.
 
     `fn` is collective when `world_size > 1`: every rank runs it. `threads`: torch
-    intra-op threads per process (0 leaves torch's default). `backend`: as `--backend`; a
-    named one forms a group even for one process (DDP on one GPU).
+    intra-op threads per process (0 leaves torch's default; 1 keeps ranks from fighting
+    over a few cores). `backend`: as `--backend`; a named one forms a group even for one
+    process (DDP on one GPU). Raises RuntimeError naming the rank that failed or died.
     """
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    port = _free_port() if world_size > 1 else 0
-    procs = [context.Process(target=_child, args=(queue, r, world_size, port, device, backend, threads, fn, args))
+    port = free_port() if world_size > 1 else 0
+    procs = [context.Process(target=_child, args=(queue, r, world_size, port, device, backend, threads,
+                                                  dist_timeout_s, fn, args))
              for r in range(world_size)]
     for proc in procs:
         proc.start()
@@ -83,7 +97,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, device: str, *args: Any,
                     errors.append(f"no result after {timeout:.0f}s")
                 continue
             if status == "ok":
-                results[rank] = value
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors.append(f"rank {rank}: {value}")
     finally:
@@ -93,10 +107,5 @@ def run_ranks(fn: Callable[..., Any], world_size: int, device: str, *args: Any,
                 proc.kill()
                 proc.join()
     if errors or len(results) != world_size:
-        raise RuntimeError("benchmark process failed: " + ("; ".join(errors) or "no result"))
+        raise RuntimeError("rank process failed: " + ("; ".join(errors) or "no result"))
     return [results[r] for r in range(world_size)]
-
-
-def run_fresh(fn: Callable[..., Any], device: str, *args: Any, threads: int = 0) -> Any:
-    """Run `fn(ctx, *args)` alone in a fresh process and return its result."""
-    return run_ranks(fn, 1, device, *args, threads=threads)[0]

@@ -1,10 +1,11 @@
 """The run's watchdogs on the training loop's cadence: overflow reports, loss-scale guard, sync guard.
 
-The trainer makes one `RunWatch` and calls it at three points:
+The trainer makes one `RunWatch` before it wraps the model (`comm_hook` gives the overflow
+probe's hook to DDP) and calls it at four points:
 - `after_update(step)`: every step, after `scaler.update()` and before `zero_grad` (the
   skipped step's gradients are still there for forensics);
 - `on_log(record)`: at every logged step;
-- `after_resume(step)`: once, right after a checkpoint was loaded (the lead's resume path);
+- `after_resume(step)`: once, right after a checkpoint was loaded;
 - `finish(step)`: after the last step (reports overflows not reported yet).
 
 Cost per step. Under fp16 the skip counters are read from the device every step on a CPU
@@ -18,44 +19,60 @@ from __future__ import annotations
 
 from typing import Any
 
+from dataclasses import dataclass
+
 from torch import nn
 
-from ddp_amp.config import TrainConfig
+from ddp_amp.amp import AgreedGradScaler, LossScaleOptions
+from ddp_amp.dist import CommHook
 from ddp_amp.errors import TrainingHalted
-from ddp_amp.forensics import OverflowProbe, describe
-from ddp_amp.lossscale import LossScaleGuard, LossScaleOptions, check_loss_finite
+from ddp_amp.guards.forensics import OverflowProbe, describe
+from ddp_amp.guards.loss_scale import LossScaleGuard, check_loss_finite
+from ddp_amp.guards.rank_sync import check_rank_sync
 from ddp_amp.metrics import RunLog
-from ddp_amp.scaler import AgreedGradScaler
-from ddp_amp.syncguard import check_rank_sync
 
 REPORT_AT_LEAST_EVERY = 1000  # steps between overflow reports while overflows continue
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    """What the watchdogs need from the run's configuration."""
+
+    loss_scale: LossScaleOptions = LossScaleOptions()
+    check_sync_every: int = 0  # steps between rank-consistency checks; 0 = only after a resume
+    log_every: int = 20  # the logging cadence, which bounds how rarely a GPU reads the counters
 
 
 class RunWatch:
     """Loss-scale guard, overflow forensics and the rank-consistency guard for one rank."""
 
-    def __init__(self, config: TrainConfig, model: nn.Module, named_params: list[tuple[str, nn.Parameter]],
-                 scaler: AgreedGradScaler, run_log: RunLog, rank: int, precision: str,
-                 comm_hook: Any = None) -> None:
+    def __init__(self, options: WatchOptions, named_params: list[tuple[str, nn.Parameter]],
+                 scaler: AgreedGradScaler, run_log: RunLog, rank: int, precision: str) -> None:
         self.scaler, self.run_log, self.precision = scaler, run_log, precision
         self.named_params = named_params
-        self.options = LossScaleOptions.from_config(config)
+        self.options = options.loss_scale
         self.guard = LossScaleGuard(self.options)
-        self.sync_every = config.check_sync_every
+        self.sync_every = options.check_sync_every
         device = next((p.device for _, p in named_params), None)
         self.probe: OverflowProbe | None = None
         if scaler.is_enabled() and device is not None:
             self.probe = OverflowProbe(named_params, rank, device)
-            self.probe.install(model, inner_hook=comm_hook)
-        limit = self.options.max_consecutive_skips or config.log_every
+        limit = self.options.max_consecutive_skips or options.log_every
         # A CPU reads device flags for free; on a GPU each read is a sync, so read at most
         # every log step and often enough to stop a skip streak near its limit.
         on_cpu = device is None or device.type == "cpu"
-        self.check_every = 1 if on_cpu else max(1, min(config.log_every, limit // 2))
+        self.check_every = 1 if on_cpu else max(1, min(options.log_every, limit // 2))
         self._seen_skips = 0
         self._events = 0
         self._pending = 0
         self._last_report = 0
+
+    def comm_hook(self, inner: CommHook | None) -> CommHook | None:
+        """The DDP comm hook for the model: the overflow probe around `inner`, or `inner`.
+
+        Call before the model is wrapped; the hook goes to `wrap_model`.
+        """
+        return self.probe.comm_hook(inner) if self.probe is not None else inner
 
     def after_update(self, step: int) -> None:
         """Per-step checks; `step` counts this step (collective on check steps, on all ranks)."""

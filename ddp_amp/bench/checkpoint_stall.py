@@ -1,6 +1,6 @@
-"""Benchmark item 8: how long a checkpoint save blocks training, against a bare torch.save.
+"""How long a checkpoint save blocks training, against a bare torch.save.
 
-    python -m ddp_amp.checkpoint.bench [--hidden 1024 --layers 4 --repeats 7 --dir /tmp]
+    python -m ddp_amp.bench.checkpoint_stall [--hidden 1024 --layers 4 --repeats 7 --dir /tmp]
 
 One process builds the real trainer (mlp task, AdamW, fp32) and, in alternating pairs so
 that disk and CPU noise hit both alike, times (a) `Trainer.save_checkpoint()`: the whole
@@ -24,20 +24,14 @@ import torch
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import init_distributed
 from ddp_amp.env import DistEnv
-from ddp_amp.metrics import QuietRunLog
-from ddp_amp.precision import resolve_precision
-from ddp_amp.tasks import load_task
-from ddp_amp.trainer import Trainer, seed_everything
+from ddp_amp.trainer import Trainer, build_trainer
 
 
 def _trainer(hidden: int, layers: int, root: Path, device: str) -> Trainer:
     config = TrainConfig(task="mlp", task_opt=(f"hidden={hidden}", f"layers={layers}", "samples=1024"),
                          batch_size=64, device=device, precision="fp32", keep_last=1, log_every=10**6)
     ctx = init_distributed(DistEnv(), device=device)  # type: ignore[arg-type]
-    seed_everything(config.seed)
-    task = load_task(config.task, config)
-    return Trainer(config, task, ctx, resolve_precision(config.precision, ctx.device), QuietRunLog(0),
-                   checkpoint_root=root)
+    return build_trainer(config, ctx, checkpoint_root=root)
 
 
 def run_checkpoint_bench(hidden: int = 1024, layers: int = 4, repeats: int = 7,
@@ -75,7 +69,7 @@ def run_checkpoint_bench(hidden: int = 1024, layers: int = 4, repeats: int = 7,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddp_amp.checkpoint.bench",
+    parser = argparse.ArgumentParser(prog="python -m ddp_amp.bench.checkpoint_stall",
                                      description="checkpoint save stall vs a bare torch.save")
     parser.add_argument("--hidden", type=int, default=1024, help="mlp width (default 1024)")
     parser.add_argument("--layers", type=int, default=4, help="mlp depth (default 4)")

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ddp_amp.scaler import AgreedGradScaler
+from ddp_amp.amp import AgreedGradScaler
 
 
 class TakenStepScheduler:

@@ -1,7 +1,8 @@
-"""Process-group lifecycle: device and backend choice, init with a timeout, teardown.
+"""Process-group lifecycle: backend choice, init with a timeout, teardown.
 
-A single process gets no process group at all; every collective helper here is a no-op
-for a world of one, so the trainer runs the same code path everywhere.
+A single process gets no process group at all (unless a backend is named); every
+collective in `collectives.py` is a no-op for a world of one, so the trainer runs the same
+code path everywhere.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from ddp_amp.dist.device import DeviceChoice, resolve_device
 from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
 
 log = logging.getLogger(__name__)
 
-DeviceChoice = Literal["auto", "cuda", "cpu"]
 BackendChoice = Literal["auto", "nccl", "gloo"]
 
 
@@ -51,28 +52,6 @@ class DistContext:
         return self.backend is not None and dist.is_initialized()
 
 
-def resolve_device(choice: DeviceChoice, env: DistEnv, backend: BackendChoice = "auto") -> torch.device:
-    """Pick this rank's device: the GPU of its local rank, or the CPU."""
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cpu":
-        return torch.device("cpu")
-    if choice != "cuda":
-        raise UsageError("--device", choice, "one of auto, cuda, cpu", "auto picks cuda when a GPU is visible")
-    if not torch.cuda.is_available():
-        raise UsageError("--device", choice, "a machine with a CUDA GPU",
-                         "use --device cpu or --device auto")
-    count = torch.cuda.device_count()
-    # Checked against the node's process count, not this rank's index, so that every rank
-    # of the node fails alike and rank 0 prints the line: a check on LOCAL_RANK failed only
-    # the ranks past the last GPU, and rank 0, the one that prints, went on to wait for them.
-    if env.local_world_size > count and backend != "gloo":
-        raise UsageError("LOCAL_WORLD_SIZE", env.local_world_size, f"<= {count} visible GPU(s), one process each",
-                         "start one process per GPU (--nproc_per_node / --ntasks-per-node), "
-                         "or use --backend gloo to share GPUs")
-    return torch.device("cuda", env.local_rank % count)
-
-
 def resolve_backend(choice: BackendChoice, device: torch.device) -> str:
     if choice == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
@@ -88,8 +67,8 @@ def _open_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_server,
                           timeout=timeout, wait_for_workers=True)
     # After a torchrun restart the agent's store still holds the keys of the failed
-    # attempt; re-forming gloo on them fails or hangs (FACTS.md: 3 of 8). A fresh prefix
-    # per attempt gives each attempt clean keys (8 of 8).
+    # attempt; re-forming gloo on them failed or hung in 5 of 8 tries, and a fresh prefix
+    # per attempt gave each attempt clean keys: 8 of 8 (docs/facts.md, torchrun restarts).
     return dist.PrefixStore(f"ddp_amp/attempt_{env.restart_count}", store)
 
 
@@ -120,7 +99,7 @@ def shutdown_distributed() -> None:
     """Leave the process group. Call only after every DDP model has been freed.
 
     Destroying a gloo group while a DDP reducer is alive can abort the process
-    (`terminate called without an active exception`, FACTS.md); collecting first makes
+    (`terminate called without an active exception`, docs/facts.md); collecting first makes
     sure the reducer and its hooks are gone before the group's threads are joined.
     """
     gc.collect()
@@ -137,28 +116,3 @@ def distributed(env: DistEnv, device: DeviceChoice = "auto", backend: BackendCho
         yield ctx
     finally:
         shutdown_distributed()
-
-
-def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce over the default group; a no-op for a world of one (collective)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=op)
-    return tensor
-
-
-def broadcast_object(obj: object, src: int = 0) -> object:
-    """Send rank `src`'s picklable object to every rank (collective)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=src)
-    return holder[0]
-
-
-def all_gather_objects(obj: object) -> list[object]:
-    """Every rank's picklable object, in rank order (collective)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [obj]
-    gathered: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered

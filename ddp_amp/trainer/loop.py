@@ -3,66 +3,39 @@
 One optimizer step is `grad_accum` micro-steps. Every micro-step but the last runs forward
 *and* backward inside `no_sync()`, so DDP reduces gradients once per step; each micro-loss
 is divided by `grad_accum` so the accumulated gradient is the mean over the global batch.
-Then, in this order and for these reasons:
-1. `unscale_` before clipping: clip thresholds are in real gradient units, not scaled ones;
-   the agreed scaler also settles the skip decision across ranks here.
-2. `scaler.step` skips the update on every rank if any rank saw inf/NaN.
-3. `scaler.update` backs the scale off after a skip and grows it after a clean run.
-4. `zero_grad(set_to_none=True)`: no memset, and accumulation starts from nothing.
-5. The scheduler advances only when the step was taken, so a skip does not eat the LR plan
-   (ddp_amp/lr_steps.py: without reading the skip flag on every step).
+Then the one AMP step (`ddp_amp.amp.step`: unscale, clip, agreed skip, update), and after
+it, in this order and for these reasons:
+1. the watchdogs (`RunWatch.after_update`) before `zero_grad`: forensics reads the skipped
+   step's gradients;
+2. `zero_grad(set_to_none=True)`: no memset, and accumulation starts from nothing;
+3. the scheduler advances only when the step was taken, so a skip does not eat the LR plan
+   (lr_steps.py: without reading the skip flag on every step).
 """
 
 from __future__ import annotations
 
 import os
-import random
 import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
 
 from ddp_amp import checkpoint
-from ddp_amp.autocast import AutocastModule, unwrap_model
+from ddp_amp.amp import AutocastModule, Precision, amp_step, scaled_backward, unwrap_model, wrap_model
 from ddp_amp.config import TrainConfig
-from ddp_amp.data import BatchStream, to_device
-from ddp_amp.ddp_setup import comm_hook, grads_were_synced, optimizer_kwargs, reduced_params, wrap_model
-from ddp_amp.dist import DistContext, all_reduce_
-from ddp_amp.lossscale import LossScaleOptions
-from ddp_amp.lr_steps import TakenStepScheduler
+from ddp_amp.dist import DistContext, all_reduce_, comm_hook, grads_were_synced, reduced_params
+from ddp_amp.guards import PreemptionWatch, RunWatch, parse_signals, stop_for_preemption, worker_ignores
 from ddp_amp.metrics import RunLog, peak_memory_mb
-from ddp_amp.precision import Precision
-from ddp_amp.preempt import PreemptionWatch, parse_signals, stop_for_preemption, worker_ignores
 from ddp_amp.tasks import Task
-from ddp_amp.watch import RunWatch
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (CPU and every GPU) RNGs."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def make_optimizer(task: Task, choice: str, params: list[nn.Parameter], lr: float,
-                   device: torch.device, impl: str = "auto") -> torch.optim.Optimizer:
-    """The task's own optimizer for `auto` when it has one, else AdamW or SGD, fused where possible."""
-    if choice == "auto" and task.make_optimizer is not None:
-        return task.make_optimizer(params, lr)
-    kind = torch.optim.SGD if choice == "sgd" else torch.optim.AdamW
-    attempts = optimizer_kwargs(impl, device)
-    for kwargs in attempts[:-1]:
-        try:
-            return kind(params, lr=lr, **kwargs)
-        except (RuntimeError, ValueError):
-            continue
-    return kind(params, lr=lr, **attempts[-1])
+from ddp_amp.trainer.checkpointing import TrainingParts, load_training_state, run_meta, training_files
+from ddp_amp.trainer.evaluation import evaluate
+from ddp_amp.trainer.lr_steps import TakenStepScheduler
+from ddp_amp.trainer.optimizers import make_optimizer
+from ddp_amp.trainer.stream import BatchStream
 
 
 class Trainer:
@@ -72,22 +45,22 @@ class Trainer:
                  run_log: RunLog, checkpoint_root: Path | None = None) -> None:
         self.config, self.task, self.ctx, self.precision, self.run_log = config, task, ctx, precision, run_log
         self.device = ctx.device
-        self.model = self._wrap(task.model.to(self.device))
+        self.scaler = precision.make_scaler(**config.loss_scale_options().scaler_kwargs())
+        user_model = task.model.to(self.device)
+        named = [(n, p) for n, p in user_model.named_parameters() if p.requires_grad]
+        self.watch = RunWatch(config.watch_options(), named, self.scaler, run_log, ctx.rank, precision.name)
+        # DDP takes one comm hook: the overflow probe (fp16) around the --grad-comm-dtype one.
+        hook = self.watch.comm_hook(comm_hook(config.grad_comm_dtype, ctx.backend or "gloo")) \
+            if ctx.has_group else None
+        self.model = wrap_model(user_model, precision, self.device, distributed=ctx.has_group,
+                                compile_model=config.compile, comm_hook=hook, static_graph=config.static_graph)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(task, config.optimizer, self.params,
                                         config.lr or task.default_lr, self.device, config.optimizer_impl)
         self._reduced_params = reduced_params(self.model)
         self.scheduler = task.make_scheduler(self.optimizer) if task.make_scheduler else None
-        self.scaler = precision.make_scaler(**LossScaleOptions.from_config(config).scaler_kwargs())
         self.lr_steps = TakenStepScheduler(self.scheduler, self.scaler) if self.scheduler else None
-        named = [(n, p) for n, p in self.autocast_model.unwrap().named_parameters() if p.requires_grad]
-        # DDP takes one comm hook, before the first backward: the overflow probe (fp16) wraps
-        # the --grad-comm-dtype hook; without a probe that hook is registered on its own.
-        hook = comm_hook(config.grad_comm_dtype, ctx.backend or "gloo") if isinstance(self.model, DDP) else None
-        self.watch = RunWatch(config, self.model, named, self.scaler, run_log, ctx.rank, precision.name,
-                              comm_hook=hook)
-        if hook is not None and self.watch.probe is None:
-            self.model.register_comm_hook(state=None, hook=hook)
+        self.clip_grad_norm = config.clip_grad_norm or task.default_clip_grad_norm or None
         signums = parse_signals(config.preempt_signal)
         self.preemption = PreemptionWatch(signums, self.device, config.preempt_check_s, ctx.has_group)
         self.stream = BatchStream(task.train_data, config.micro_batch_size(ctx.world_size), ctx.rank,
@@ -96,17 +69,10 @@ class Trainer:
         self.step = 0  # optimizer steps attempted; skipped fp16 steps count
         self.samples_seen = 0
         self.last_loss = torch.zeros((), device=self.device)
-        # Checkpoints (issue 3): None = checkpointing off (library use without a run dir).
+        # None = checkpointing off (library use without a run dir).
         self.checkpoint_root = checkpoint_root
         self.checkpoint_error: checkpoint.CheckpointError | None = None
         self._saved_step: int | None = None
-
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        """DDP(AutocastModule(model)), with the fast paths of the config (see ddp_setup.py)."""
-        return wrap_model(model, self.device, self.precision.device_type, self.precision.dtype,
-                          self.precision.autocast_enabled, self.ctx.has_group,
-                          compile_model=self.config.compile, static_graph=self.config.static_graph,
-                          grad_comm_dtype=self.config.grad_comm_dtype, register_comm_hook=False)
 
     @property
     def autocast_model(self) -> AutocastModule:
@@ -124,18 +90,13 @@ class Trainer:
                 output = self.model(inputs)
                 with self.precision.autocast():  # the loss under autocast, as in the recipe
                     loss = self.task.loss_fn(output, target) / accum
-                self.scaler.scale(loss).backward()
+                scaled_backward(self.scaler, loss)
             step_loss += loss.detach().float()
-        if self.scaler.is_enabled() and self._reduced_params and grads_were_synced(self.model):
-            # Nothing touches the gradients between DDP's all-reduce and the unscale below,
-            # on any rank, so the scaler may skip its found-inf all-reduce (scaler.py).
-            self.scaler.mark_reduced(self._reduced_params)
-        clip = self.config.clip_grad_norm or self.task.default_clip_grad_norm
-        if clip > 0:
-            self.scaler.unscale_(self.optimizer)
-            nn.utils.clip_grad_norm_(self.params, clip)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        # Nothing touches the gradients between DDP's all-reduce and the unscale, on any
+        # rank, so the scaler may skip its found-inf all-reduce (amp/scaler.py).
+        reduced = self._reduced_params if grads_were_synced(self.model) else ()
+        amp_step(self.scaler, (self.optimizer,), clip_grad_norm=self.clip_grad_norm,
+                 clip_params=self.params, reduced=reduced)
         self.watch.after_update(self.step + 1)  # before zero_grad: forensics reads the grads
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_steps is not None:  # on taken steps only, without a host sync per step
@@ -163,44 +124,10 @@ class Trainer:
             "peak_mem_mb": peak_memory_mb(self.device),
         }
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """The task's metric on its eval data: under autocast, no scaler, all ranks (collective)."""
-        if self.task.eval_data is None or self.task.metric is None:
-            return {}
-        # Every item exactly once over all ranks (a strided shard, no padding), so the
-        # metric does not depend on the world size.
-        sampler = range(self.ctx.rank, len(self.task.eval_data), self.ctx.world_size)  # type: ignore[arg-type]
-        # A held-out set smaller than the world leaves some ranks no item; they still have
-        # to join one all-reduce per metric name, so they score item 0 and add it at weight 0.
-        weight = 1.0 if len(sampler) else 0.0
-        if not sampler:
-            sampler = range(1)
-        micro = self.config.micro_batch_size(self.ctx.world_size)
-        sums: dict[str, torch.Tensor] = {}
-        self.model.eval()
-        try:
-            # Evaluate through the autocast wrapper, not DDP: no gradient buckets, no
-            # buffer broadcast, and the same dtype the training forward used.
-            # A generator of its own: a DataLoader draws its base seed from the global RNG
-            # otherwise, and evaluating would change the dropout of the steps after it.
-            loader = DataLoader(self.task.eval_data, batch_size=micro, sampler=sampler,
-                                generator=torch.Generator())
-            for batch in loader:
-                inputs, target = to_device(batch, self.device)
-                for name, (total, count) in self.task.metric(self.autocast_model(inputs), target).items():
-                    pair = weight * torch.stack([total.detach().double().to(self.device),
-                                                 torch.tensor(float(count), dtype=torch.float64, device=self.device)])
-                    sums[name] = sums[name] + pair if name in sums else pair
-        finally:
-            self.model.train()
-        means = {}
-        for name in sorted(sums):  # same order on all ranks: the all-reduces pair up
-            total, count = all_reduce_(sums[name]).tolist()
-            means[name] = total / max(count, 1.0)
-        if self.task.finalize_metrics is not None:
-            means = self.task.finalize_metrics(means)
-        return {f"eval_{name}": value for name, value in means.items()}
+        return evaluate(self.task, self.autocast_model, self.model, self.ctx,
+                        self.config.micro_batch_size(self.ctx.world_size))
 
     def eval_record(self) -> dict[str, Any]:
         """`evaluate()` at the current step, logged to metrics.jsonl (collective)."""
@@ -212,7 +139,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train for `max_steps` steps, logging every `log_every`; returns the summary record.
 
-        Preemption signals only set a flag while training (see ddp_amp/preempt.py); the
+        Preemption signals only set a flag while training (see ddp_amp/guards/preemption.py); the
         previous handlers come back however fit ends, so a failed run still dies on TERM.
         """
         self.preemption.install()
@@ -273,15 +200,14 @@ class Trainer:
     def stop_for_preemption(self) -> dict[str, Any]:
         """Checkpoint and requeue after an agreed preemption signal; the stop record (collective)."""
         self.watch.finish(self.step)
-        return stop_for_preemption(self.save_checkpoint, self.ctx.is_main,
-                                   self.config.preempt_requeue == "auto", self.step,
+        return stop_for_preemption(self.save_checkpoint, self.config.preempt_requeue == "auto", self.step,
                                    self.preemption.stopped_by, os.environ, self.run_log.warn)
 
-    # --- checkpoints (issue 3: ddp_amp/checkpoint/) ---
+    # --- checkpoints: the files are trainer/checkpointing.py's, the protocol ddp_amp.checkpoint's ---
 
-    def _checkpoint_parts(self) -> checkpoint.TrainingParts:
-        return checkpoint.TrainingParts(unwrap_model(self.model), self.optimizer, self.scaler,
-                                        self.scheduler, self.stream, self.device)
+    def _parts(self) -> TrainingParts:
+        return TrainingParts(unwrap_model(self.model), self.optimizer, self.scaler, self.scheduler,
+                             self.stream, self.device)
 
     def save_checkpoint(self) -> Path | None:
         """Commit a checkpoint of the current step (collective: call on every rank).
@@ -297,11 +223,11 @@ class Trainer:
         if self._saved_step == self.step:
             return self.checkpoint_root / checkpoint.step_dir_name(self.step)
         started = time.perf_counter()
-        meta = checkpoint.describe_run(self.config.to_dict(), self.ctx.world_size,
-                                       self.stream.micro_batch_size, self.precision.name,
-                                       self.scaler.is_enabled(), self.step, self.stream.batches_per_epoch)
-        result = checkpoint.save_checkpoint(self.checkpoint_root, self.ctx.rank, self._checkpoint_parts(),
-                                            self.step, self.samples_seen, meta, self.config.keep_last)
+        meta = run_meta(self.config.to_dict(), self.stream, self.precision.name, self.scaler.is_enabled(),
+                        self.step)
+        result = checkpoint.save_checkpoint(self.checkpoint_root, self.step,
+                                            training_files(self._parts(), self.step, self.samples_seen),
+                                            meta, self.device, self.ctx.world_size, self.config.keep_last)
         self.checkpoint_error = result.error
         if result.path is None:
             self.run_log.info(f"checkpoint at step {self.step} failed: {result.error}")
@@ -317,9 +243,9 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         """Restore model, optimizer, scaler, scheduler, counters, data position and this
         rank's RNG from checkpoint directory `path` (collective)."""
-        self.step, self.samples_seen = checkpoint.load_checkpoint(
-            Path(path), self._checkpoint_parts(), self.ctx.rank, self.ctx.world_size,
-            self.precision.name, self.run_log.info)
+        self.step, self.samples_seen = load_training_state(
+            Path(path), self._parts(), self.ctx.rank, self.ctx.world_size, self.precision.name,
+            self.run_log.info)
         if self.lr_steps is not None:
             self.lr_steps.mark_exact()
         # Saving this step again would only rewrite what is there; elsewhere (another run's
@@ -334,7 +260,7 @@ class Trainer:
         if self.checkpoint_root is None and choice == "auto":
             return None
         root = self.checkpoint_root or Path(choice)
-        path = checkpoint.choose_checkpoint(choice, root, self.ctx.rank, self.run_log.warn)
+        path = checkpoint.choose_checkpoint(choice, root, self.run_log.warn)
         if path is not None:
             self.load_checkpoint(path)
         return path

@@ -3,7 +3,8 @@
 Plain `torch.amp.GradScaler` decides per process. Where a rank's gradients were not all
 reduced by DDP (parameters outside DDP, gradients changed after backward, unused
 parameters), one rank can find an inf that another does not: it skips the step and halves
-its scale while the other steps, and the replicas drift apart for good (FACTS.md).
+its scale while the other steps, and the replicas drift apart for good (tests/test_scaler.py
+shows it with two ranks).
 
 Here the local found-inf flags are all-reduced with MAX right after they are computed, in
 both of GradScaler's paths:
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp_amp.lossscale import OverflowCounters, next_scale
+from ddp_amp.amp.lossscale import OverflowCounters, next_scale
 
 
 class AgreedGradScaler(torch.amp.GradScaler):
@@ -51,7 +52,7 @@ class AgreedGradScaler(torch.amp.GradScaler):
                          backoff_factor=backoff_factor, growth_interval=growth_interval,
                          enabled=enabled)
         self.process_group = process_group
-        # Loss-scale safety (ddp_amp/lossscale.py). hysteresis=1, min_scale=0 is exactly
+        # Loss-scale safety (lossscale.py). hysteresis=1, min_scale=0 is exactly
         # GradScaler's own update rule.
         self.hysteresis = hysteresis
         self.min_scale = min_scale

@@ -1,12 +1,14 @@
-"""How the model is wrapped for speed: compile, autocast, DDP and its gradient communication.
+"""DDP itself: the one place a model is wrapped in DistributedDataParallel, and its comm hook.
 
-The order is `DDP(AutocastModule(torch.compile(user_model)))`: compiling the user's module
-alone keeps autocast and DDP's hooks outside the compiled graph, so the compiled code sees
-plain tensors and autocast stays the wrapper's job (thread-local, see autocast.py).
+DDP takes one communication hook, registered before the first backward; `wrap_ddp`
+registers it at construction, so no other module touches `register_comm_hook`. The hook
+is `--grad-comm-dtype`'s compression (`comm_hook`), or a hook that wraps it (the overflow
+probe checks each local bucket, then hands it on).
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +18,6 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_amp.autocast import AutocastModule
 from ddp_amp.errors import UsageError
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
@@ -58,27 +59,20 @@ def comm_hook(grad_comm_dtype: str, backend: str = "gloo") -> CommHook | None:
     return _NCCL_HOOKS[grad_comm_dtype] if backend == "nccl" else _cast_hook(dtype)
 
 
-def wrap_model(model: nn.Module, device: torch.device, device_type: str, dtype: torch.dtype,
-               autocast: bool, distributed: bool, compile_model: bool = False,
-               static_graph: bool = False, grad_comm_dtype: str = "fp32",
-               bucket_view: bool = True, register_comm_hook: bool = True) -> nn.Module:
-    """Build `DDP(AutocastModule(model))` (or without DDP for a world of one) with the fast paths.
+def wrap_ddp(module: nn.Module, device: torch.device, *, comm_hook: CommHook | None = None,
+             gradient_as_bucket_view: bool = True, static_graph: bool = False,
+             **ddp_options: Any) -> DDP:
+    """`DDP(module)` on `device` with `comm_hook` registered (collective: DDP broadcasts weights).
 
-    `bucket_view`: gradients as views into DDP's buckets save one copy per step and the
-    memory of a second set of gradients; valid because nobody keeps `.grad` across steps.
-    `register_comm_hook=False` leaves the `--grad-comm-dtype` hook to the caller (DDP takes
-    one hook only; the Trainer hands it to the overflow probe, which wraps it).
+    `gradient_as_bucket_view`: gradients as views into DDP's buckets save one copy per step
+    and the memory of a second set of gradients; valid because nobody keeps `.grad` across
+    steps. Other keywords (find_unused_parameters, bucket_cap_mb, ...) go to DDP.
     """
-    hook = comm_hook(grad_comm_dtype, dist.get_backend() if distributed else "gloo")
-    inner = torch.compile(model) if compile_model else model
-    wrapped = AutocastModule(inner, device_type, dtype, enabled=autocast)
-    if not distributed:
-        return wrapped
     device_ids = [device.index] if device.type == "cuda" else None
-    ddp = DDP(wrapped, device_ids=device_ids, gradient_as_bucket_view=bucket_view,
-              static_graph=static_graph)
-    if hook is not None and register_comm_hook:
-        ddp.register_comm_hook(state=None, hook=hook)
+    ddp = DDP(module, device_ids=device_ids, gradient_as_bucket_view=gradient_as_bucket_view,
+              static_graph=static_graph, **ddp_options)
+    if comm_hook is not None:
+        ddp.register_comm_hook(state=None, hook=comm_hook)
     return ddp
 
 
@@ -95,14 +89,13 @@ def grads_were_synced(model: nn.Module) -> bool:
     return isinstance(model, DDP) and bool(model.require_backward_grad_sync)
 
 
-def optimizer_kwargs(impl: str, device: torch.device) -> list[dict[str, bool]]:
-    """Keyword choices to try in order for `--optimizer-impl` (fused may be unavailable)."""
-    if impl == "fused":
-        return [{"fused": True}]
-    if impl == "foreach":
-        return [{"foreach": True}]
-    if impl == "forloop":
-        return [{"foreach": False}]
-    # auto: fused kernels take the scaler's inv-scale and found-inf as device tensors, so
-    # the step needs no `.item()`; foreach is the next best (FACTS.md: fused ~9x on CPU).
-    return [{"fused": True}, {"foreach": device.type == "cuda"}]
+def release_ddp(model: DDP) -> None:
+    """Drop a still-referenced DDP wrapper's hold on the process group before the group goes.
+
+    The reducer and its logger keep the group alive; destroyed later (at interpreter exit)
+    gloo's destructor can abort or hang the process. The wrapper is unusable afterwards,
+    as any DDP model is once its group is gone.
+    """
+    for name in ("logger", "reducer", "process_group"):
+        model.__dict__.pop(name, None)
+    gc.collect()

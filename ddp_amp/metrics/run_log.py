@@ -3,7 +3,7 @@
 Rank 0 gets a `RunLog`; every other rank a `QuietRunLog` whose calls do nothing except
 `warn`, so the trainer never writes `if rank == 0`. Records are plain dicts of numbers.
 
-Progress: on a terminal rank 0 shows a tqdm bar (ddp_amp/progress.py); elsewhere it prints
+Progress: on a terminal rank 0 shows a tqdm bar (progress.py); elsewhere it prints
 one plain line per logged step. metrics.jsonl holds one object per logged step, event
 records (`{"event": "overflow", "step": ...}`) and `{"summary": ...}` objects; after a
 resume from step S, `rewind_to(S)` drops what a lost attempt wrote past S, so the replayed
@@ -13,16 +13,16 @@ steps are neither duplicated nor missing.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from ddp_amp.progress import ProgressBar
-
 import psutil
 import torch
+
+from ddp_amp.durable import write_atomic
+from ddp_amp.metrics.progress import ProgressBar
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -99,12 +99,7 @@ class RunLog:
                 continue
             kept.append(line + "\n")
         if dropped:
-            scratch = path.with_suffix(".jsonl.tmp")
-            with open(scratch, "w", encoding="utf-8") as handle:
-                handle.writelines(kept)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(scratch, path)
+            write_atomic(path, "".join(kept))
         self._metrics = open(path, "a", encoding="utf-8")
         return dropped
 
@@ -120,10 +115,7 @@ class RunLog:
 
     def write_json(self, name: str, payload: dict[str, Any]) -> None:
         """Write run_dir/name atomically (temporary file, then rename)."""
-        target = self.run_dir / name
-        scratch = target.with_suffix(target.suffix + ".tmp")
-        scratch.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
-        os.replace(scratch, target)
+        write_atomic(self.run_dir / name, json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
 
     def metrics(self, record: dict[str, Any]) -> None:
         """One logged step: appended to metrics.jsonl; shown on the bar, else printed as a line."""

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddp_amp.amp import AgreedGradScaler
 from ddp_amp.dist import all_gather_objects
 from ddp_amp.errors import TrainingHalted
-from ddp_amp.scaler import AgreedGradScaler
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 
 from ddp_amp.errors import UsageError
-from ddp_amp.scaler import AgreedGradScaler
+from ddp_amp.amp.scaler import AgreedGradScaler
 
 PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16"]
 PRECISION_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")

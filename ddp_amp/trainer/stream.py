@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from ddp_amp.dist import to_device
 from ddp_amp.errors import UsageError
 
 
@@ -76,14 +77,3 @@ class BatchStream:
         batch = next(self._iterator)
         self.batch_in_epoch += 1
         return to_device(batch, self.device)
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move tensors (also inside tuples, lists and dicts) to `device`, without blocking."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(item, device) for item in batch)
-    if isinstance(batch, dict):
-        return {key: to_device(value, device) for key, value in batch.items()}
-    return batch

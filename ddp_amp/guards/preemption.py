@@ -9,9 +9,10 @@ step. The checkpoint is then written in normal control flow, and under SLURM ran
 `scontrol requeue` to put the job back in the queue, where it resumes from that checkpoint.
 
 How often to agree: every check costs a collective and, on a GPU, a host sync that stalls
-the launch queue (a bare 1-element gloo all-reduce is ~180 us, FACTS.md). The watch checks
-about every `check_s` seconds of training instead of every step: the all-reduce also carries
-each rank's measured step time (MAX), so every rank computes the same next check step.
+the launch queue (a bare 1-element gloo all-reduce took ~180 us on a 2-core CPU,
+docs/facts.md). The watch checks about every `check_s` seconds of training instead of
+every step: the all-reduce also carries each rank's measured step time (MAX), so every
+rank computes the same next check step.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ddp_amp.dist import all_reduce_
+from ddp_amp.dist import all_reduce_, on_rank_zero
 from ddp_amp.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -165,14 +166,15 @@ def requeue_slurm_job(environ: Mapping[str, str], timeout_s: float = 30.0) -> tu
     return True, f"requeued SLURM job {job_id}; it resumes from the checkpoint when it restarts"
 
 
-def stop_for_preemption(save_checkpoint: Any, is_main: bool, requeue: bool, step: int,
-                        signal_name: str, environ: Mapping[str, str], warn: Any) -> dict[str, Any]:
+def stop_for_preemption(save_checkpoint: Any, requeue: bool, step: int, signal_name: str,
+                        environ: Mapping[str, str], warn: Any) -> dict[str, Any]:
     """Checkpoint, then (rank 0, under SLURM) requeue; the record the run ends with (collective).
 
     `save_checkpoint` is the trainer's collective save (returns the path, or None if it
-    failed), or
-    None where this build has no checkpointing: then nothing is requeued, because a
-    requeued job without a checkpoint would start over and could be preempted forever.
+    failed), or None where this build has no checkpointing: then nothing is requeued,
+    because a requeued job without a checkpoint would start over and could be preempted
+    forever. The requeue runs once per job, on rank 0 (SLURM restarts every rank), and
+    every rank learns whether it happened.
     """
     path = save_checkpoint() if callable(save_checkpoint) else None
     requeued, message = False, "requeue off (--preempt-requeue never)"
@@ -180,10 +182,8 @@ def stop_for_preemption(save_checkpoint: Any, is_main: bool, requeue: bool, step
         message = "no checkpoint support in this build: stopping without a checkpoint or requeue"
     elif path is None:  # a failed save: requeueing would repeat the lost steps, maybe forever
         message = "the checkpoint failed, so the job is not requeued; see the error above"
-    elif requeue and is_main:  # one requeue per job; SLURM restarts every rank
-        requeued, message = requeue_slurm_job(environ)
     elif requeue:
-        message = "rank 0 decides the requeue"
+        requeued, message = on_rank_zero(lambda: requeue_slurm_job(environ))
     warn(f"stopped at step {step} after {signal_name}; checkpoint: {path or 'none'}; {message}")
     return {"preempted": True, "step": step, "signal": signal_name, "requeued": requeued,
             "checkpoint": str(path) if path else None}

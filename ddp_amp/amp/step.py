@@ -1,0 +1,76 @@
+"""The one AMP step: scaled backward, then unscale, clip, agreed skip, update.
+
+Both the Trainer and `Session` call these two functions; nothing else in ddp_amp steps an
+optimizer under a scaler. The order, and why:
+1. `scaled_backward`: the loss times the loss scale, so fp16 gradients do not underflow
+   (a pass-through for bf16/fp32, whose scaler is disabled).
+2. `unscale_` before clipping: clip thresholds are in real gradient units, not scaled
+   ones; the agreed scaler also settles the skip decision across ranks here.
+3. `scaler.step`: skips the update on every rank if any rank saw inf/NaN.
+4. `scaler.update`: backs the scale off after a skip, grows it after a clean run; once per
+   step, after every optimizer of the step has stepped.
+What the step returns stays on the device: reading it is a host sync, so callers read it
+at logging time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddp_amp.amp.scaler import AgreedGradScaler
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one AMP step did. Tensors stay on the device; read them at logging time."""
+
+    # 0-d int: 1 if the step was skipped (inf/NaN on any rank). None with update=False.
+    skipped: torch.Tensor | None
+    # Total norm of the unscaled gradients before clipping. None without clipping.
+    grad_norm: torch.Tensor | None
+
+
+def scaled_backward(scaler: AgreedGradScaler, loss: torch.Tensor, **backward_options: Any) -> None:
+    """Backward of the scaled loss; keywords (retain_graph, inputs) go to `backward`.
+
+    Collective through a DDP model (its gradient all-reduce), except inside `no_sync`.
+    """
+    scaler.scale(loss).backward(**backward_options)
+
+
+def _stepped_params(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    return [p for optimizer in optimizers for group in optimizer.param_groups
+            for p in group["params"] if p.grad is not None]
+
+
+def amp_step(scaler: AgreedGradScaler, optimizers: Sequence[torch.optim.Optimizer], *,
+             clip_grad_norm: float | None = None, clip_params: Sequence[torch.Tensor] | None = None,
+             update: bool = True, reduced: Sequence[nn.Parameter] = ()) -> StepResult:
+    """Unscale, clip, step each optimizer unless any rank saw inf/NaN, update once (collective).
+
+    `clip_grad_norm`: one total norm over all given optimizers' gradients (or over
+    `clip_params`, a caller's cached list of the same parameters), in real units; None
+    for no clipping. `update=False` leaves the scale alone, for all but the last call of
+    a step whose optimizers are stepped in several calls. `reduced`: parameters whose
+    gradients DDP just all-reduced and nothing touched since, declared on every rank
+    alike; the scaler may then skip its found-inf agreement (see `AgreedGradScaler`).
+    """
+    if reduced and scaler.is_enabled():
+        scaler.mark_reduced(reduced)
+    grad_norm = None
+    if clip_grad_norm is not None:
+        for optimizer in optimizers:
+            scaler.unscale_(optimizer)
+        params = clip_params if clip_params is not None else _stepped_params(optimizers)
+        grad_norm = nn.utils.clip_grad_norm_(params, clip_grad_norm)
+    for optimizer in optimizers:
+        scaler.step(optimizer)
+    if not update:
+        return StepResult(None, grad_norm)
+    scaler.update()
+    return StepResult(scaler.last_step_skipped(), grad_norm)

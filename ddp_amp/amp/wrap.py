@@ -1,0 +1,36 @@
+"""How a user's model is wrapped for training: `DDP(AutocastModule(torch.compile(model)))`.
+
+Compiling the user's module alone keeps autocast and DDP's hooks outside the compiled
+graph, so the compiled code sees plain tensors and autocast stays the wrapper's job
+(thread-local, see autocast.py). The wrapper sits inside DDP so that DDP's forward, in
+whatever thread calls it, runs the user's forward under autocast. A world of one gets the
+AutocastModule alone. Both the Trainer and `Session.setup` build their models here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddp_amp.amp.autocast import AutocastModule
+from ddp_amp.amp.precision import Precision
+from ddp_amp.dist import CommHook, wrap_ddp
+
+
+def wrap_model(model: nn.Module, precision: Precision, device: torch.device, *, distributed: bool,
+               compile_model: bool = False, cast_outputs_to_fp32: bool = False,
+               comm_hook: CommHook | None = None, **ddp_options: Any) -> nn.Module:
+    """Move `model` to `device` and wrap it (collective when `distributed`: DDP's broadcast).
+
+    `comm_hook` and `ddp_options` (static_graph, find_unused_parameters, ...) go to DDP.
+    """
+    inner = model.to(device)
+    if compile_model:
+        inner = torch.compile(inner)
+    wrapped = AutocastModule(inner, precision.device_type, precision.dtype,
+                             enabled=precision.autocast_enabled, cast_outputs_to_fp32=cast_outputs_to_fp32)
+    if not distributed:
+        return wrapped
+    return wrap_ddp(wrapped, device, comm_hook=comm_hook, **ddp_options)

@@ -1,0 +1,55 @@
+"""Every rank's random-number state, captured for a checkpoint and put back on resume.
+
+Each rank draws its own dropout and augmentation stream, so a checkpoint holds all of
+them (gathered on rank 0, in rank order) and each rank takes back its own.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ddp_amp.dist import has_peers
+
+
+def capture_rng(device: torch.device) -> dict[str, Any]:
+    """This process's RNG states, as tensors, ints and tuples only (weights_only-safe)."""
+    # numpy's legacy state is a tuple with an ndarray; as a tensor plus ints it loads as
+    # plain data without any allow-listing.
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: dict[str, Any], device: torch.device) -> None:
+    """Put this process's RNGs back to a state from `capture_rng`."""
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    saved = state["numpy"]
+    np.random.set_state(("MT19937", saved["keys"].numpy().astype(np.uint32), saved["pos"],
+                         saved["has_gauss"], saved["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def gather_rng_states(device: torch.device) -> list[dict[str, Any]] | None:
+    """Every rank's `capture_rng()` on rank 0 (rank order); None elsewhere (collective)."""
+    own = capture_rng(device)
+    if not has_peers():
+        return [own]
+    is_root = dist.get_rank() == 0
+    gathered: list[Any] | None = [None] * dist.get_world_size() if is_root else None
+    dist.gather_object(own, gathered, dst=0)
+    return gathered

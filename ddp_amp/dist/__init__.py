@@ -1,0 +1,26 @@
+"""Layer 2: the process group, collectives, and DDP itself.
+
+- `group`: backend choice, `init_distributed` with a timeout, teardown in the right order;
+- `device`: this rank's device and moving batches onto it;
+- `collectives`: all-reduce and object collectives, and the agreement primitives
+  `on_rank_zero` (rank 0 does it, every rank learns the outcome) and `on_every_rank`;
+- `ddp`: the one DDP wrap, its comm hook, and releasing it before teardown;
+- `spawn`: N local processes that form a group (benchmarks and multi-rank tests).
+
+Imports only `env` and `errors` from ddp_amp.
+"""
+
+from ddp_amp.dist.collectives import (all_gather_objects, all_reduce_, broadcast_object, has_peers,
+                                      on_every_rank, on_rank_zero)
+from ddp_amp.dist.ddp import (CommHook, comm_hook, grads_were_synced, reduced_params, release_ddp,
+                              wrap_ddp)
+from ddp_amp.dist.device import DeviceChoice, resolve_device, to_device
+from ddp_amp.dist.group import (BackendChoice, DistContext, distributed, init_distributed,
+                                resolve_backend, shutdown_distributed)
+
+__all__ = [
+    "BackendChoice", "CommHook", "DeviceChoice", "DistContext", "all_gather_objects", "all_reduce_",
+    "broadcast_object", "comm_hook", "distributed", "grads_were_synced", "has_peers",
+    "init_distributed", "on_every_rank", "on_rank_zero", "reduced_params", "release_ddp",
+    "resolve_backend", "resolve_device", "shutdown_distributed", "to_device", "wrap_ddp",
+]

@@ -1,0 +1,116 @@
+"""Collectives for plain Python values, and the two ways ranks agree on an outcome.
+
+Every function here is collective: call it on every rank, in the same order. Each is a
+no-op (or a local call) for a world of one, so callers never branch on the world size.
+
+- `on_rank_zero(work)`: rank 0 does the work (a file write, a `scontrol` call, choosing a
+  checkpoint), and every rank returns its result or raises its error. No rank goes on
+  believing something happened that did not, and no rank waits on a peer that failed.
+- `on_every_rank(work)`: every rank does its own part (reading a checkpoint, checking it
+  fits); if any rank fails, every rank raises the lowest failing rank's error, before any
+  rank acts on a half-agreed state.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def has_peers() -> bool:
+    """True where a process group of more than one rank exists."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce over the default group; a no-op for a world of one (collective)."""
+    if has_peers():
+        dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Send rank `src`'s picklable object to every rank (collective)."""
+    if not has_peers():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def all_gather_objects(obj: object) -> list[object]:
+    """Every rank's picklable object, in rank order (collective)."""
+    if not has_peers():
+        return [obj]
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _portable(error: BaseException) -> BaseException:
+    """`error` itself if it survives pickling, else a RuntimeError that carries its text."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any pickling failure: send the text instead
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def _outcome_bytes(work: Callable[[], Any]) -> tuple[bytes, BaseException | None]:
+    """Run `work`; its pickled ("ok", result) or ("error", error), and the local error."""
+    try:
+        result = work()
+    except Exception as error:  # noqa: BLE001 - any failure is every rank's to see
+        return pickle.dumps(("error", _portable(error))), error
+    try:
+        return pickle.dumps(("ok", result)), None
+    except Exception as error:  # noqa: BLE001 - a result the others cannot receive
+        failure = RuntimeError(f"rank 0's result could not be sent to the other ranks: {error}")
+        return pickle.dumps(("error", failure)), failure
+
+
+def on_rank_zero(work: Callable[[], T]) -> T:
+    """Run `work()` on rank 0 only; every rank returns its result or raises its error (collective).
+
+    The result must be picklable (it is broadcast). Rank 0 re-raises its own exception
+    object, with its traceback; the others raise a copy of it.
+    """
+    if not has_peers():
+        return work()
+    payload, local_error = _outcome_bytes(work) if dist.get_rank() == 0 else (b"", None)
+    payload = broadcast_object(payload)  # type: ignore[assignment]
+    if local_error is not None:
+        raise local_error
+    status, value = pickle.loads(payload)
+    if status == "error":
+        raise value
+    return value  # type: ignore[no-any-return]
+
+
+def on_every_rank(work: Callable[[], T]) -> T:
+    """Run `work()` on every rank; if any rank fails, all raise the lowest failing rank's error.
+
+    Collective: one all-gather of the outcomes. A rank's own failure is raised as it is;
+    a rank that succeeded raises a copy of the first failure instead of returning.
+    """
+    try:
+        result, local_error = work(), None
+    except Exception as error:  # noqa: BLE001 - reported to every rank below
+        result, local_error = None, error
+    if not has_peers():
+        if local_error is not None:
+            raise local_error
+        return result  # type: ignore[return-value]
+    failure = _portable(local_error) if local_error is not None else None
+    failures = [f for f in all_gather_objects(failure) if f is not None]
+    if local_error is not None:
+        raise local_error
+    if failures:
+        raise failures[0]  # type: ignore[misc]
+    return result  # type: ignore[return-value]

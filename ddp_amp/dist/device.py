@@ -1,0 +1,45 @@
+"""This rank's device: which one it is, and moving batches onto it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from ddp_amp.env import DistEnv
+from ddp_amp.errors import UsageError
+
+DeviceChoice = Literal["auto", "cuda", "cpu"]
+
+
+def resolve_device(choice: DeviceChoice, env: DistEnv, backend: str = "auto") -> torch.device:
+    """Pick this rank's device: the GPU of its local rank, or the CPU."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cpu":
+        return torch.device("cpu")
+    if choice != "cuda":
+        raise UsageError("--device", choice, "one of auto, cuda, cpu", "auto picks cuda when a GPU is visible")
+    if not torch.cuda.is_available():
+        raise UsageError("--device", choice, "a machine with a CUDA GPU",
+                         "use --device cpu or --device auto")
+    count = torch.cuda.device_count()
+    # Checked against the node's process count, not this rank's index, so that every rank
+    # of the node fails alike and rank 0 prints the line: a check on LOCAL_RANK failed only
+    # the ranks past the last GPU, and rank 0, the one that prints, went on to wait for them.
+    if env.local_world_size > count and backend != "gloo":
+        raise UsageError("LOCAL_WORLD_SIZE", env.local_world_size, f"<= {count} visible GPU(s), one process each",
+                         "start one process per GPU (--nproc_per_node / --ntasks-per-node), "
+                         "or use --backend gloo to share GPUs")
+    return torch.device("cuda", env.local_rank % count)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move tensors (also inside tuples, lists and dicts) to `device`, without blocking."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    return batch

@@ -1,0 +1,13 @@
+"""What a run tells its user: rank 0's console lines, progress bar and run-directory records.
+
+- `run_log`: `RunLog` (rank 0: console, config.json, metrics.jsonl, summary) and
+  `QuietRunLog` (other ranks: warnings only), so no caller writes `if rank == 0`;
+- `progress`: the terminal progress bar.
+
+Imports `durable` and `errors` from ddp_amp, nothing above. Plots of a finished run are
+the `ddp_amp.report` entry point.
+"""
+
+from ddp_amp.metrics.run_log import QuietRunLog, RunLog, make_run_log, peak_memory_mb
+
+__all__ = ["QuietRunLog", "RunLog", "make_run_log", "peak_memory_mb"]

@@ -1,0 +1,132 @@
+"""What the Trainer puts into a checkpoint and how it takes it back out.
+
+Files, besides the `rng.pt` and `meta.json` that every checkpoint has (all loadable with
+`torch.load(weights_only=True)`):
+- `model.pt`: the user's module's `state_dict()` (no DDP `module.` / wrapper prefixes), so
+  it loads into a plain `nn.Module`;
+- `train.pt`: optimizer, scaler (+ its skipped-step count), scheduler, step, samples seen
+  and the data position.
+`meta.json` also holds the batch geometry, precision and config, which a resume checks
+before it loads any tensor. Saving and loading themselves are `ddp_amp.checkpoint`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddp_amp.amp import AgreedGradScaler
+from ddp_amp.checkpoint import LoadedCheckpoint, read_agreed, restore_own_rng, restore_scaler
+from ddp_amp.errors import UsageError
+from ddp_amp.trainer.stream import BatchStream
+
+MODEL_FILE, TRAIN_FILE = "model.pt", "train.pt"
+
+
+@dataclass
+class TrainingParts:
+    """The live objects a checkpoint reads from and writes into."""
+
+    model: nn.Module  # the user's module, unwrapped
+    optimizer: torch.optim.Optimizer
+    scaler: AgreedGradScaler
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    stream: BatchStream
+    device: torch.device
+
+
+def training_files(parts: TrainingParts, step: int, samples_seen: int) -> dict[str, Any]:
+    """The Trainer's files of a checkpoint at `step` (the same on every rank)."""
+    return {
+        MODEL_FILE: parts.model.state_dict(),
+        TRAIN_FILE: {
+            "optimizer": parts.optimizer.state_dict(),
+            "scaler": parts.scaler.state_dict(),
+            "scaler_skipped_total": int(parts.scaler.skipped_steps().item()),
+            "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
+            "step": step,
+            "samples_seen": samples_seen,
+            "data": parts.stream.state_dict(),
+        },
+    }
+
+
+def run_meta(config: dict[str, Any], stream: BatchStream, precision: str, scaler_enabled: bool,
+             step: int) -> dict[str, Any]:
+    """What a resume checks compatibility against before loading tensors (into meta.json)."""
+    return {"step": step, "micro_batch_size": stream.micro_batch_size,
+            "batches_per_epoch": stream.batches_per_epoch, "precision": precision,
+            "loss_scaling": scaler_enabled, "config": config}
+
+
+def check_model_shapes(path: Path, model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Refuse a checkpoint of another model before touching any parameter."""
+    live = model.state_dict()
+    missing = sorted(set(live) - set(saved))
+    extra = sorted(set(saved) - set(live))
+    differ = [f"{name}: checkpoint {list(saved[name].shape)} vs model {list(tensor.shape)}"
+              for name, tensor in live.items() if name in saved and saved[name].shape != tensor.shape]
+    problems = differ + [f"missing {name}" for name in missing] + [f"unexpected {name}" for name in extra]
+    if problems:
+        raise UsageError("--resume", str(path), "a checkpoint of this model (same --task and --task-opt)",
+                         f"{len(problems)} tensor(s) differ, e.g. {problems[0]}; use the options the "
+                         "run was saved with, or --resume none / another --run-dir to start fresh")
+
+
+def map_data_position(meta: dict[str, Any], position: dict[str, int], world_size: int,
+                      micro_batch_size: int, batches_per_epoch: int, path: str = "checkpoint") -> dict[str, int]:
+    """The stream position for this world size, or UsageError if it does not map exactly.
+
+    DistributedSampler deals one permutation out round-robin, so after j micro-batches of m
+    on each of W ranks exactly the first W*j*m samples of the epoch are used. Another world
+    size continues from the same sample only if W'*m' divides that count.
+    """
+    saved_world = int(meta["world_size"])
+    if saved_world == world_size and int(meta["micro_batch_size"]) == micro_batch_size:
+        return dict(position)
+    epoch, batch = int(position["epoch"]), int(position["batch_in_epoch"])
+    if batch >= int(meta["batches_per_epoch"]):  # at an epoch's end: the next one starts clean
+        epoch, batch = epoch + 1, 0
+    used = saved_world * int(meta["micro_batch_size"]) * batch
+    per_batch = world_size * micro_batch_size
+    if used % per_batch:
+        raise UsageError("--resume", path,
+                         f"a checkpoint whose data position maps onto {world_size} rank(s) "
+                         f"({used} samples into epoch {epoch}, not a multiple of {per_batch})",
+                         f"resume with {saved_world} rank(s) as saved, or pick a checkpoint at an "
+                         "epoch boundary, or --resume none")
+    return {"epoch": epoch, "batch_in_epoch": min(used // per_batch, batches_per_epoch)}
+
+
+def load_training_state(path: Path, parts: TrainingParts, rank: int, world_size: int, precision: str,
+                        notice: Callable[[str], None]) -> tuple[int, int]:
+    """Restore `parts` and this rank's RNG from checkpoint `path`; returns (step, samples_seen).
+
+    Collective. Any rank's refusal (unreadable, another model, a data position that does
+    not map onto this world) is raised on every rank before anything is applied.
+    """
+    def fits(loaded: LoadedCheckpoint) -> dict[str, int]:
+        check_model_shapes(path, parts.model, loaded.files[MODEL_FILE])
+        return map_data_position(loaded.meta, loaded.files[TRAIN_FILE]["data"], world_size,
+                                 parts.stream.micro_batch_size, parts.stream.batches_per_epoch, str(path))
+
+    loaded, position = read_agreed(path, (MODEL_FILE, TRAIN_FILE), fits)
+    state = loaded.files[TRAIN_FILE]
+    parts.model.load_state_dict(loaded.files[MODEL_FILE])
+    parts.optimizer.load_state_dict(state["optimizer"])
+    if parts.scheduler is not None and state["scheduler"] is not None:
+        parts.scheduler.load_state_dict(state["scheduler"])
+    parts.stream.load_state_dict(position)
+    restore_scaler(parts.scaler, state["scaler"], int(state["scaler_skipped_total"]),
+                   precision, str(loaded.meta.get("precision")), notice)
+    saved_world = int(loaded.meta["world_size"])
+    if saved_world != world_size:
+        notice(f"checkpoint was saved with {saved_world} rank(s), resuming with {world_size}: "
+               "the data position maps exactly, but the run is no longer bitwise reproducible")
+    restore_own_rng(loaded, rank, parts.device)
+    return int(state["step"]), int(state["samples_seen"])

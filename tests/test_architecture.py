@@ -1,0 +1,103 @@
+"""The layers of ddp_amp hold: lower never imports higher, and no module imports its way back.
+
+The contract lives in pyproject.toml (`[tool.importlinter]`); `lint-imports` checks it.
+These tests run it on the real tree, show that it fails when an upward import is added on
+purpose (on a copy), and look for import cycles between any two modules.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+
+from tests.multiproc import REPO_ROOT, cli_env
+
+LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
+        "sys.exit(lint_imports_command())"]
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(LINT, cwd=root, capture_output=True, text=True, timeout=120,
+                          env=cli_env(PYTHONPATH=str(root)))
+
+
+def test_layers_contract_is_kept() -> None:
+    result = _lint(REPO_ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "ddp_amp layers KEPT" in result.stdout
+    assert "0 broken" in result.stdout
+
+
+def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
+    shutil.copytree(REPO_ROOT / "ddp_amp", tmp_path / "ddp_amp", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    scaler = tmp_path / "ddp_amp" / "amp" / "scaler.py"
+    scaler.write_text(scaler.read_text() + "\nfrom ddp_amp.trainer import Trainer  # upward, on purpose\n")
+    result = _lint(tmp_path)
+    assert result.returncode != 0
+    assert "ddp_amp layers BROKEN" in result.stdout, result.stdout[-3000:]
+    assert "ddp_amp.amp.scaler -> ddp_amp.trainer" in result.stdout
+
+
+def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan, iterative)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(graph.modules):
+        if start in order:
+            continue
+        work = [(start, iter(sorted(graph.find_modules_directly_imported_by(start))))]
+        order[start] = low[start] = len(order)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            module, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in order:
+                    order[child] = low[child] = len(order)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.find_modules_directly_imported_by(child)))))
+                elif child in on_stack:
+                    low[module] = min(low[module], order[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[module])
+            if low[module] == order[module]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == module:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def test_no_import_cycles() -> None:
+    assert _cycles(grimp.build_graph("ddp_amp")) == []
+
+
+def test_the_cycle_finder_finds_a_cycle(tmp_path: Path) -> None:
+    package = tmp_path / "cyclic"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from cyclic import b\n")
+    (package / "b.py").write_text("from cyclic import c\n")
+    (package / "c.py").write_text("import cyclic.a\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert _cycles(grimp.build_graph("cyclic")) == [["cyclic.a", "cyclic.b", "cyclic.c"]]
+    finally:
+        sys.path.remove(str(tmp_path))
