@@ -19,8 +19,15 @@ from ddp_amp.errors import UsageError
 from ddp_amp.guards import WatchOptions
 
 
-def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+# What a resume does when a field differs from the value the checkpoint was saved with:
+# "match" refuses (unless named in --allow-change), "notice" applies the new value and says
+# so, "precision" follows the AMP recipe's rules (a fresh or ignored scaler, with a notice),
+# "free" is about this launch only and is not compared.
+RESUME_CLASSES = ("match", "notice", "precision", "free")
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, resume: str = "notice") -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "resume": resume})
 
 
 @dataclass(frozen=True)
@@ -29,24 +36,33 @@ class TrainConfig:
 
     task: str = _opt("lm", "built-in task: lm (transformer LM on Python's own docs), digits "
                      "(scikit-learn digits, needs ddp_amp[sklearn]), mlp (synthetic benchmark); "
-                     "or a plugin 'package.module:function' that takes this config and returns a ddp_amp.Task")
+                     "or a plugin 'package.module:function' that takes this config and returns a ddp_amp.Task",
+                     resume="match")
     task_opt: tuple[str, ...] = _opt((), "task option KEY=VALUE, repeatable; read by the task "
-                                     "(e.g. --task-opt hidden=256)")
-    run_dir: str = _opt("", "directory for config, metrics, checkpoints and the summary; "
-                        "default runs/<task>-<job id>, stable across torchrun/SLURM restarts")
+                                     "(e.g. --task-opt hidden=256)", resume="match")
+    run_dir: str = _opt("", "directory for config, metrics, checkpoints and the summary; default "
+                        "runs/<task>-<id>: the SLURM job id, else torchrun's rendezvous id where it "
+                        "names this run, else a new name; restarts and requeues of a job find it again",
+                        resume="free")
+    run_name: str = _opt("", "name the run: its directory is runs/<name> (instead of --run-dir)",
+                         resume="free")
     max_steps: int = _opt(200, "optimizer steps to run (skipped fp16 steps count as steps)")
     batch_size: int = _opt(64, "global batch size per optimizer step, summed over ranks and "
-                           "accumulation micro-steps; must divide by world size x --grad-accum")
-    grad_accum: int = _opt(1, "micro-steps accumulated per optimizer step (DDP syncs only on the last)")
-    lr: float = _opt(0.0, "learning rate; 0 means the task's own default")
+                           "accumulation micro-steps; must divide by world size x --grad-accum",
+                           resume="match")
+    grad_accum: int = _opt(1, "micro-steps accumulated per optimizer step (DDP syncs only on the last)",
+                           resume="match")
+    lr: float = _opt(0.0, "learning rate; 0 means the task's own default. A resume with another "
+                     "value scales the optimizer's (and scheduler's) learning rates to it")
     optimizer: str = _opt("auto", "optimizer: auto (the task's own, else AdamW), adamw, sgd",
-                          ("auto", "adamw", "sgd"))
+                          ("auto", "adamw", "sgd"), resume="match")
     clip_grad_norm: float = _opt(0.0, "clip the global grad norm to this after unscaling; 0 = the "
                                  "task's default (lm: 0.5, others: off)")
     seed: int = _opt(0, "seed for model init (same on all ranks) and data order; rank r "
-                     "seeds its own RNGs with seed + r after the model is built")
+                     "seeds its own RNGs with seed + r after the model is built", resume="match")
     precision: str = _opt("auto", "auto (bf16 on GPUs/CPUs with bf16 units, else fp16 on GPUs, "
-                          "else fp32), fp32, bf16, or fp16 (with loss scaling)", PRECISION_CHOICES)
+                          "else fp32), fp32, bf16, or fp16 (with loss scaling)", PRECISION_CHOICES,
+                          resume="precision")
     device: str = _opt("auto", "auto (cuda if available), cuda (GPU of the local rank), or cpu",
                        ("auto", "cuda", "cpu"))
     backend: str = _opt("auto", "process-group backend: auto (nccl on cuda, gloo on cpu; no group "
@@ -56,14 +72,19 @@ class TrainConfig:
                                "job fails instead of hanging")
     num_workers: int = _opt(0, "DataLoader worker processes per rank")
     log_every: int = _opt(20, "print and record metrics every N optimizer steps")
-    debug: bool = _opt(False, "show full tracebacks on errors")
+    debug: bool = _opt(False, "show full tracebacks on errors", resume="free")
     # --- checkpoints (ddp_amp/checkpoint/) ---
     ckpt_every: int = _opt(0, "also save a checkpoint every N optimizer steps; 0 = only the "
                            "final one at the end of training")
     keep_last: int = _opt(3, "keep the newest K checkpoints; older ones are deleted only after "
                           "a new one is committed; 0 keeps all")
     resume: str = _opt("auto", "auto (newest complete checkpoint in <run-dir>/checkpoints, if "
-                       "any), none (start fresh), or PATH of a checkpoint directory")
+                       "any), none (a fresh run: refused where checkpoints exist, unless "
+                       "--archive-checkpoints), or PATH of a checkpoint directory", resume="free")
+    archive_checkpoints: bool = _opt(False, "with --resume none: move the run directory's checkpoints "
+                                     "to checkpoints-archived-<time>/ before the first step", resume="free")
+    allow_change: str = _opt("", "comma list of settings that must match on resume (marked so in "
+                             "this help) whose change you accept, e.g. seed,task_opt", resume="free")
     # --- watching a run (ddp_amp/guards/): fp16 loss-scale safety and the rank-consistency guard ---
     loss_scale_init: float = _opt(65536.0, "fp16: the loss scale to start from")
     loss_scale_growth_interval: int = _opt(2000, "fp16: clean steps in a row before the scale doubles")
@@ -105,10 +126,10 @@ class TrainConfig:
                     "grad_accum": self.grad_accum, "log_every": self.log_every}
         for name, value in positive.items():
             if value < 1:
-                raise UsageError(_flag(name), value, "an integer >= 1", f"e.g. {_flag(name)} 1")
+                raise UsageError(flag_of(name), value, "an integer >= 1", f"e.g. {flag_of(name)} 1")
         for name in ("lr", "clip_grad_norm"):
             if getattr(self, name) < 0:
-                raise UsageError(_flag(name), getattr(self, name), "a number >= 0", "0 turns it off")
+                raise UsageError(flag_of(name), getattr(self, name), "a number >= 0", "0 turns it off")
         if self.dist_timeout <= 0:
             raise UsageError("--dist-timeout", self.dist_timeout, "seconds > 0", "e.g. --dist-timeout 600")
         if self.eval_every < 0:
@@ -117,13 +138,35 @@ class TrainConfig:
             raise UsageError("--num-workers", self.num_workers, "an integer >= 0", "0 loads data in the training process")
         for name in ("ckpt_every", "keep_last"):
             if getattr(self, name) < 0:
-                raise UsageError(_flag(name), getattr(self, name), "an integer >= 0", "0 turns it off")
+                raise UsageError(flag_of(name), getattr(self, name), "an integer >= 0", "0 turns it off")
         self.loss_scale_options().validate()
         if self.check_sync_every < 0:
             raise UsageError("--check-sync-every", self.check_sync_every, "an integer >= 0", "0 = off")
         for item in self.task_opt:
             if "=" not in item:
                 raise UsageError("--task-opt", item, "KEY=VALUE", "e.g. --task-opt hidden=256")
+        self._check_run_options()
+
+    def _check_run_options(self) -> None:
+        if self.run_dir and self.run_name:
+            raise UsageError("--run-name", self.run_name, "either --run-dir or --run-name, not both",
+                             "--run-name NAME is short for --run-dir runs/NAME")
+        if self.run_name in (".", "..") or "/" in self.run_name or "\\" in self.run_name:
+            raise UsageError("--run-name", self.run_name, "a plain name (no path separators)",
+                             "use --run-dir for a path")
+        if self.archive_checkpoints and self.resume != "none":
+            raise UsageError("--archive-checkpoints", True, "--resume none with it",
+                             "it moves old checkpoints aside for a fresh run: add --resume none")
+        must_match = match_fields()
+        for name in self.allowed_changes():
+            if name not in must_match:
+                raise UsageError("--allow-change", name, "names of settings that must match on resume: "
+                                 + ", ".join(must_match), "other settings may change without it")
+
+    def allowed_changes(self) -> tuple[str, ...]:
+        """`--allow-change` as field names (`--task-opt` and `task-opt` mean `task_opt`)."""
+        names = (item.strip().removeprefix("--").replace("-", "_") for item in self.allow_change.split(","))
+        return tuple(name for name in names if name)
 
     def loss_scale_options(self) -> LossScaleOptions:
         """The `--loss-scale-*` settings, as the amp layer takes them."""
@@ -151,8 +194,20 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def _flag(name: str) -> str:
+def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def match_fields() -> tuple[str, ...]:
+    """The settings a resume refuses to change (unless accepted with --allow-change)."""
+    return tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["resume"] == "match")
+
+
+RESUME_HELP = ("On resume every setting is compared with the one the checkpoint was saved with. "
+               "Those marked [must match on resume] are refused when they differ (list the ones "
+               "you change knowingly in --allow-change); --precision follows the AMP rules (a "
+               "fresh or ignored loss scaler, with a notice); every other setting takes its new "
+               "value with a notice (--lr rescales the restored optimizer's learning rates).")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -177,9 +232,11 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(prog: str = "python -m ddp_amp.train") -> argparse.ArgumentParser:
     parser = _Parser(prog=prog, description="Train with DDP + automatic mixed precision. "
                      "Launch with python, torchrun or srun; the launcher is detected.",
-                     allow_abbrev=False)
+                     epilog=RESUME_HELP, allow_abbrev=False)
     for f in dataclasses.fields(TrainConfig):
-        flag, help_text = _flag(f.name), f.metadata["help"]
+        flag, help_text = flag_of(f.name), f.metadata["help"]
+        if f.metadata["resume"] == "match":
+            help_text += " [must match on resume]"
         if f.type in ("bool", bool):
             parser.add_argument(flag, action="store_true", help=help_text)
         elif f.name == "task_opt":
@@ -200,7 +257,7 @@ def parse_config(argv: list[str]) -> TrainConfig:
     for f in dataclasses.fields(TrainConfig):
         choices = f.metadata.get("choices")
         if choices and values[f.name] not in choices:
-            raise UsageError(_flag(f.name), values[f.name], "one of " + ", ".join(choices),
-                             f"see {_flag(f.name)} in --help")
+            raise UsageError(flag_of(f.name), values[f.name], "one of " + ", ".join(choices),
+                             f"see {flag_of(f.name)} in --help")
     values["task_opt"] = tuple(values["task_opt"])
     return TrainConfig(**values)

@@ -13,38 +13,47 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.amp import resolve_precision
+from ddp_amp.amp import Precision, resolve_precision
 from ddp_amp.checkpoint import checkpoint_root, ensure_writable
 from ddp_amp.config import TrainConfig, parse_config
 from ddp_amp.dist import DistContext, init_distributed, shutdown_distributed
-from ddp_amp.env import DistEnv, detect_env
+from ddp_amp.env import detect_env
 from ddp_amp.errors import TrainingHalted, UsageError
 from ddp_amp.guards import EXIT_PREEMPTED
 from ddp_amp.metrics import make_run_log
+from ddp_amp.tasks import Task
 from ddp_amp.trainer import build_trainer, prepare_task
-
-
-def default_run_dir(config: TrainConfig, env: DistEnv) -> Path:
-    """runs/<task>-<id>: the launcher's job id keeps it stable across restarts and requeues."""
-    task = config.task.rpartition(":")[2] or config.task
-    run_id = env.run_id or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
-    return Path("runs") / f"{task}-{run_id}"
+from ddp_amp.trainer.resume_plan import ResumePlan, plan_resume
+from ddp_amp.trainer.run_dir import lock_run_directory, run_directory
 
 
 def train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     """Build everything for one rank, train, and return the summary (collective).
 
+    Everything that can fail on the user's input is checked before anything is written:
+    task, batch geometry, precision, an explicit `--resume PATH` and its settings; then
+    rank 0 locks the run directory and the start is planned under the lock.
     Everything built here (DDP model, optimizer, reducer hooks) is freed when this
     function returns, before the caller destroys the process group (docs/facts.md: a gloo
     group torn down under a live DDP reducer can abort the process).
     """
     precision = resolve_precision(config.precision, ctx.device)
-    run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config, ctx.env)
     task = prepare_task(config, ctx)  # bad batch sizes and tasks fail before anything is written
+    run_dir = run_directory(config, ctx)
+    explicit = plan_resume(config, run_dir) if config.resume not in ("auto", "none") else None
+    lock = lock_run_directory(run_dir, ctx)  # a second job on this directory stops here
+    try:
+        plan = explicit or plan_resume(config, run_dir)
+        return _train_in(run_dir, plan, config, ctx, task, precision)
+    finally:
+        lock.release()
+
+
+def _train_in(run_dir: Path, plan: ResumePlan, config: TrainConfig, ctx: DistContext, task: Task,
+              precision: Precision) -> dict[str, Any]:
     ckpt_root = checkpoint_root(run_dir)
     ensure_writable(ckpt_root, run_dir)  # all ranks fail together, before any work
     run_log = make_run_log(ctx.rank, run_dir)
@@ -56,13 +65,16 @@ def train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
                                            "precision": precision.name})
         run_log.info(f"task={task.name} world_size={ctx.world_size} device={ctx.device} "
                      f"backend={ctx.backend or 'none'} precision={precision.name} ({precision.reason}) "
-                     f"run_dir={run_dir}")
-        resumed_from = trainer.resume(config.resume)
+                     f"run_dir={run_dir} start: {plan.describe()}")
+        for notice in plan.notices:
+            run_log.info(notice)
+        if plan.checkpoint is not None:
+            trainer.load_checkpoint(plan.checkpoint)
         # Records past the step we start from belong to a lost attempt: drop them, so a
         # requeued run neither duplicates nor misses steps. A fresh start drops them all
         # (its step-0 records, such as the first evaluation, are written again).
-        run_log.rewind_to(trainer.step if resumed_from is not None else -1)
-        if resumed_from is not None:
+        run_log.rewind_to(trainer.step if plan.checkpoint is not None else -1)
+        if plan.checkpoint is not None:
             trainer.watch.after_resume(trainer.step)  # ranks must agree right after a load
         summary = trainer.fit()
         if not summary.get("preempted"):  # summary.json means "finished"; a stop is not

@@ -9,7 +9,9 @@
 # Variables: MASTER_ADDR (required: a name or address every node can reach), MASTER_PORT
 #   (default 29500, must be free on MASTER_ADDR), NNODES (required), NODE_RANK (optional, see
 #   above), NPROC_PER_NODE (default: GPUs on this node, else 1), RUN_ID (rendezvous id, the
-#   same on all nodes; also names the run directory; default ddp_amp), PYTHON (default python),
+#   same on all nodes; also names the run directory runs/<task>-<RUN_ID>, so a new RUN_ID is a
+#   new run and the same one resumes it; default: the SLURM job id inside a SLURM job, a new
+#   id with NNODES=1, and required otherwise), PYTHON (default python),
 #   PREEMPT_SIGNALS and SHUTDOWN_TIMEOUT as in launch/local.sh.
 #   MODULE (default ddp_amp.train). Check the network first, with the same line on every node:
 #   MODULE=ddp_amp.doctor MASTER_ADDR=node1 NNODES=2 launch/multinode.sh --probe
@@ -19,7 +21,16 @@ PYTHON=${PYTHON:-python}
 : "${MASTER_ADDR:?set MASTER_ADDR to the first node (reachable from every node)}"
 : "${NNODES:?set NNODES to the number of nodes}"
 MASTER_PORT=${MASTER_PORT:-29500}
-RUN_ID=${RUN_ID:-ddp_amp}
+if [[ -z "${RUN_ID:-}" ]]; then
+    if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+        RUN_ID=$SLURM_JOB_ID
+    elif (( NNODES == 1 )); then
+        RUN_ID=$(date +%Y%m%d-%H%M%S)-$$   # this launch's own: a second launch is a new run
+    else
+        echo "launch/multinode.sh: set RUN_ID to the same new value on every node (e.g. RUN_ID=\$(date +%Y%m%d-%H%M)); it names the run" >&2
+        exit 2
+    fi
+fi
 gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
 NPROC_PER_NODE=${NPROC_PER_NODE:-$(( gpus > 0 ? gpus : 1 ))}
 PREEMPT_SIGNALS=${PREEMPT_SIGNALS:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}

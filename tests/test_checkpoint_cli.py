@@ -64,8 +64,9 @@ def test_bad_input_fails_in_one_line_and_keeps_saved_checkpoints(
     saved = _digests(root)
     assert "step-00000002/model.pt" in saved
 
-    # Another model (wider hidden layer) in the same run directory.
-    wider = ["--max-steps", "4", "--run-dir", str(run_dir), "--task-opt", "hidden=32"]
+    # Another model (wider hidden layer) in the same run directory, the option change
+    # accepted: the shapes still refuse it.
+    wider = ["--max-steps", "4", "--run-dir", str(run_dir), "--task-opt", "hidden=32", "--allow-change", "task_opt"]
     line = _in_process_error(COMMON + wider, capsys)
     assert "tensor(s) differ" in line and "hint:" in line
 

@@ -81,3 +81,14 @@ def test_detect_env_does_not_write_the_mapping() -> None:
     mapping = dict(SRUN)
     detect_env(mapping)
     assert mapping == SRUN
+
+
+def test_run_id_names_this_run_only() -> None:
+    from ddp_amp.env.detect import launcher_run_id
+
+    assert launcher_run_id({"SLURM_JOB_ID": "77", "TORCHELASTIC_RUN_ID": "abc"}) == "77"  # SLURM first
+    assert launcher_run_id({"SLURM_JOB_ID": "78", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3"}) == "70_3"
+    assert launcher_run_id({"TORCHELASTIC_RUN_ID": "9f2c-uuid"}) == "9f2c-uuid"  # --standalone's own
+    assert launcher_run_id({"TORCHELASTIC_RUN_ID": "none"}) == ""  # torchrun's default: every launch's
+    assert launcher_run_id({}) == ""
+    assert detect_env({**TORCHRUN, "TORCHELASTIC_RUN_ID": "none"}).run_id == ""

@@ -113,7 +113,8 @@ def test_two_rank_torchrun_on_a_terminal_shows_one_progress_bar(tmp_path: Path) 
 
 def test_a_restarted_run_replaces_its_metrics_instead_of_appending_twice(tmp_path: Path) -> None:
     config = TrainConfig(task="mlp", task_opt=("hidden=16", "samples=256"), max_steps=10, log_every=5, batch_size=16,
-                         eval_every=5, resume="none", device="cpu", precision="fp32", run_dir=str(tmp_path))
+                         eval_every=5, resume="none", archive_checkpoints=True, device="cpu", precision="fp32",
+                         run_dir=str(tmp_path))
     for _ in range(2):  # a rerun that starts again from step 0
         train(config, init_distributed(detect_env({}), device="cpu"))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

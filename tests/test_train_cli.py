@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_amp.config import TrainConfig, build_parser
+from ddp_amp.config import TrainConfig, build_parser, parse_config
+from ddp_amp.errors import UsageError
 from ddp_amp.train import main
 from tests.multiproc import cli_env, run_train
 
@@ -95,3 +96,21 @@ def test_every_option_has_help_text() -> None:
     options = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
     assert set(options) == {f for f in TrainConfig.__dataclass_fields__}
     assert all(action.help and len(action.help) > 15 for action in options.values())
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--run-dir", "a", "--run-name", "b"], "either --run-dir or --run-name"),
+    (["--run-name", "x/y"], "a plain name"),
+    (["--archive-checkpoints"], "--resume none with it"),
+    (["--allow-change", "lr"], "names of settings that must match on resume"),
+])
+def test_run_options_are_checked(argv: list[str], match: str) -> None:
+    with pytest.raises(UsageError, match=match):
+        parse_config(argv)
+
+
+def test_allow_change_takes_flag_or_field_names() -> None:
+    config = parse_config(["--allow-change=--task-opt,seed", "--optimizer", "sgd"])
+    assert config.allowed_changes() == ("task_opt", "seed")
+    help_text = build_parser().format_help()
+    assert "[must match on resume]" in help_text and "--allow-change" in help_text

@@ -37,6 +37,8 @@ class DistEnv:
     master_port: int = 29500
     launcher: Launcher = "single"
     restart_count: int = 0
+    # The launcher's name for this run, stable across its restarts and requeues, or "" where
+    # it gives none (see `launcher_run_id`).
     run_id: str = ""
     # torchrun's agent already hosts the TCP store at MASTER_ADDR:MASTER_PORT; rank 0 must
     # then connect as a client instead of opening a second server on the same port.
@@ -102,7 +104,7 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
         master_port=_port("MASTER_PORT", _int(environ, "MASTER_PORT")),
         launcher="torchrun",
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0),
-        run_id=environ.get("TORCHELASTIC_RUN_ID", ""),
+        run_id=launcher_run_id(environ),
         agent_hosts_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
     )
 
@@ -160,8 +162,28 @@ def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
         master_port=port,
         launcher="slurm",
         restart_count=_int(environ, "SLURM_RESTART_COUNT", default=0),
-        run_id=str(job_id) if job_id else "",
+        run_id=launcher_run_id(environ),
     )
+
+
+# torchrun's rendezvous id when none is given: every such launch shares it, so it names no run.
+TORCHRUN_SHARED_IDS = ("", "none")
+
+
+def launcher_run_id(environ: Mapping[str, str]) -> str:
+    """The id that names this run for the launcher, stable across restarts; "" if none does.
+
+    In order: the SLURM job id (with the array task, `<array job>_<task>`; a requeued job
+    keeps it), then torchrun's rendezvous id where it names this run (`--standalone` makes
+    a fresh one per launch; `none`, torchrun's default, is shared by every launch).
+    """
+    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID", ""), environ.get("SLURM_ARRAY_TASK_ID", "")
+    if array_job and array_task:
+        return f"{array_job}_{array_task}"
+    if environ.get("SLURM_JOB_ID"):
+        return environ["SLURM_JOB_ID"]
+    rendezvous = environ.get("TORCHELASTIC_RUN_ID", "")
+    return "" if rendezvous.lower() in TORCHRUN_SHARED_IDS else rendezvous
 
 
 def launched_by_torchrun(environ: Mapping[str, str]) -> bool:

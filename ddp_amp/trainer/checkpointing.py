@@ -56,12 +56,38 @@ def training_files(parts: TrainingParts, step: int, samples_seen: int) -> dict[s
     }
 
 
-def run_meta(config: dict[str, Any], stream: BatchStream, precision: str, scaler_enabled: bool,
-             step: int) -> dict[str, Any]:
+def run_meta(config: dict[str, Any], parts: TrainingParts, precision: str, step: int) -> dict[str, Any]:
     """What a resume checks compatibility against before loading tensors (into meta.json)."""
-    return {"step": step, "micro_batch_size": stream.micro_batch_size,
-            "batches_per_epoch": stream.batches_per_epoch, "precision": precision,
-            "loss_scaling": scaler_enabled, "config": config}
+    return {"step": step, "micro_batch_size": parts.stream.micro_batch_size,
+            "batches_per_epoch": parts.stream.batches_per_epoch, "precision": precision,
+            "loss_scaling": parts.scaler.is_enabled(), "optimizer_class": type(parts.optimizer).__name__,
+            "config": config}
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What `load_training_state` put back."""
+
+    step: int
+    samples_seen: int
+    meta: dict[str, Any]
+    optimizer_loaded: bool  # False where the optimizer changed and starts fresh
+
+
+def scale_learning_rates(optimizer: torch.optim.Optimizer,
+                         scheduler: torch.optim.lr_scheduler.LRScheduler | None, factor: float) -> None:
+    """Multiply every learning rate the optimizer and its scheduler hold by `factor`.
+
+    A scheduler computes from its base rates (and the groups' `initial_lr`), so those are
+    scaled too; the ratios between param groups stay as they were.
+    """
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+        if "initial_lr" in group:
+            group["initial_lr"] = group["initial_lr"] * factor
+    if scheduler is not None:
+        scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
 
 
 def check_model_shapes(path: Path, model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
@@ -103,22 +129,42 @@ def map_data_position(meta: dict[str, Any], position: dict[str, int], world_size
     return {"epoch": epoch, "batch_in_epoch": min(used // per_batch, batches_per_epoch)}
 
 
+def _optimizer_fits(path: Path, saved: str | None, live: str, may_change: bool) -> bool:
+    """Whether the saved optimizer state loads into this run's optimizer; refuses a mismatch."""
+    if saved is None or saved == live:
+        return True
+    if may_change:
+        return False
+    raise UsageError("--resume", str(path), f"a checkpoint of a {live} optimizer (this run's)",
+                     f"its optimizer state is {saved}'s and does not load into {live}; resume with the "
+                     f"saved --optimizer, or add --allow-change optimizer to start {live} fresh")
+
+
 def load_training_state(path: Path, parts: TrainingParts, rank: int, world_size: int, precision: str,
-                        notice: Callable[[str], None]) -> tuple[int, int]:
-    """Restore `parts` and this rank's RNG from checkpoint `path`; returns (step, samples_seen).
+                        notice: Callable[[str], None], optimizer_may_change: bool = False) -> Restored:
+    """Restore `parts` and this rank's RNG from checkpoint `path`.
 
-    Collective. Any rank's refusal (unreadable, another model, a data position that does
-    not map onto this world) is raised on every rank before anything is applied.
+    Collective. Any rank's refusal (unreadable, another model or optimizer, a data position
+    that does not map onto this world) is raised on every rank before anything is applied.
     """
-    def fits(loaded: LoadedCheckpoint) -> dict[str, int]:
-        check_model_shapes(path, parts.model, loaded.files[MODEL_FILE])
-        return map_data_position(loaded.meta, loaded.files[TRAIN_FILE]["data"], world_size,
-                                 parts.stream.micro_batch_size, parts.stream.batches_per_epoch, str(path))
+    live_optimizer = type(parts.optimizer).__name__
 
-    loaded, position = read_agreed(path, (MODEL_FILE, TRAIN_FILE), fits)
+    def fits(loaded: LoadedCheckpoint) -> tuple[dict[str, int], bool]:
+        check_model_shapes(path, parts.model, loaded.files[MODEL_FILE])
+        optimizer_fits = _optimizer_fits(path, loaded.meta.get("optimizer_class"), live_optimizer,
+                                         optimizer_may_change)
+        position = map_data_position(loaded.meta, loaded.files[TRAIN_FILE]["data"], world_size,
+                                     parts.stream.micro_batch_size, parts.stream.batches_per_epoch, str(path))
+        return position, optimizer_fits
+
+    loaded, (position, optimizer_fits) = read_agreed(path, (MODEL_FILE, TRAIN_FILE), fits)
     state = loaded.files[TRAIN_FILE]
     parts.model.load_state_dict(loaded.files[MODEL_FILE])
-    parts.optimizer.load_state_dict(state["optimizer"])
+    if optimizer_fits:
+        parts.optimizer.load_state_dict(state["optimizer"])
+    else:
+        notice(f"the optimizer changed from {loaded.meta['optimizer_class']} to {live_optimizer} "
+               "(--allow-change optimizer): it starts fresh")
     if parts.scheduler is not None and state["scheduler"] is not None:
         parts.scheduler.load_state_dict(state["scheduler"])
     parts.stream.load_state_dict(position)
@@ -129,4 +175,4 @@ def load_training_state(path: Path, parts: TrainingParts, rank: int, world_size:
         notice(f"checkpoint was saved with {saved_world} rank(s), resuming with {world_size}: "
                "the data position maps exactly, but the run is no longer bitwise reproducible")
     restore_own_rng(loaded, rank, parts.device)
-    return int(state["step"]), int(state["samples_seen"])
+    return Restored(int(state["step"]), int(state["samples_seen"]), loaded.meta, optimizer_fits)

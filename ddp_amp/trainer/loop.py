@@ -31,7 +31,8 @@ from ddp_amp.dist import DistContext, all_reduce_, comm_hook, grads_were_synced,
 from ddp_amp.guards import PreemptionWatch, RunWatch, parse_signals, stop_for_preemption, worker_ignores
 from ddp_amp.metrics import RunLog, peak_memory_mb
 from ddp_amp.tasks import Task
-from ddp_amp.trainer.checkpointing import TrainingParts, load_training_state, run_meta, training_files
+from ddp_amp.trainer.checkpointing import (TrainingParts, load_training_state, run_meta, scale_learning_rates,
+                                          training_files)
 from ddp_amp.trainer.evaluation import evaluate
 from ddp_amp.trainer.lr_steps import TakenStepScheduler
 from ddp_amp.trainer.optimizers import make_optimizer
@@ -223,8 +224,7 @@ class Trainer:
         if self._saved_step == self.step:
             return self.checkpoint_root / checkpoint.step_dir_name(self.step)
         started = time.perf_counter()
-        meta = run_meta(self.config.to_dict(), self.stream, self.precision.name, self.scaler.is_enabled(),
-                        self.step)
+        meta = run_meta(self.config.to_dict(), self._parts(), self.precision.name, self.step)
         result = checkpoint.save_checkpoint(self.checkpoint_root, self.step,
                                             training_files(self._parts(), self.step, self.samples_seen),
                                             meta, self.device, self.ctx.world_size, self.config.keep_last)
@@ -243,9 +243,12 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         """Restore model, optimizer, scaler, scheduler, counters, data position and this
         rank's RNG from checkpoint directory `path` (collective)."""
-        self.step, self.samples_seen = load_training_state(
-            Path(path), self._parts(), self.ctx.rank, self.ctx.world_size, self.precision.name,
-            self.run_log.info)
+        restored = load_training_state(Path(path), self._parts(), self.ctx.rank, self.ctx.world_size,
+                                       self.precision.name, self.run_log.info,
+                                       optimizer_may_change="optimizer" in self.config.allowed_changes())
+        self.step, self.samples_seen = restored.step, restored.samples_seen
+        if restored.optimizer_loaded:
+            self._apply_new_lr(restored.meta.get("config", {}))
         if self.lr_steps is not None:
             self.lr_steps.mark_exact()
         # Saving this step again would only rewrite what is there; elsewhere (another run's
@@ -254,6 +257,16 @@ class Trainer:
             self.checkpoint_root / checkpoint.step_dir_name(self.step)).resolve()
         self._saved_step = self.step if own else None
         self.run_log.info(f"resumed from {path} at step {self.step}")
+
+    def _apply_new_lr(self, saved_config: dict[str, Any]) -> None:
+        """A resume with another --lr: the restored optimizer's rates are rescaled to it."""
+        saved_lr = float(saved_config.get("lr", 0.0) or self.task.default_lr)
+        new_lr = self.config.lr or self.task.default_lr
+        if "lr" not in saved_config or saved_lr == new_lr:
+            return
+        scale_learning_rates(self.optimizer, self.scheduler, new_lr / saved_lr)
+        rates = ", ".join(f"{group['lr']:.6g}" for group in self.optimizer.param_groups)
+        self.run_log.info(f"--lr {new_lr:g} (saved {saved_lr:g}): the optimizer's learning rates are now {rates}")
 
     def resume(self, choice: str) -> Path | None:
         """Apply `--resume auto|none|PATH` (collective); returns the checkpoint used, if any."""

@@ -1,0 +1,119 @@
+"""What a launch starts from: a fresh run or a checkpoint, decided before anything is written.
+
+`plan_resume` resolves `--resume auto|none|PATH` against the run directory and compares the
+checkpoint's saved configuration with this launch's, field by field, by the classes in
+`ddp_amp.config` (must match / applied with a notice / precision / free). A refusal is a
+`ConfigDrift` error listing every differing field; nothing is loaded or written before it.
+`--resume none` in a directory that holds checkpoints is refused too, unless
+`--archive-checkpoints` moves them aside (one atomic rename) so that no later resume of the
+new run can pick them up. Rank 0 decides; every rank gets the plan or the error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddp_amp.checkpoint import META_FILE, checkpoint_root, list_step_dirs, resolve_resume
+from ddp_amp.config import TrainConfig, flag_of
+from ddp_amp.dist import on_rank_zero
+from ddp_amp.durable import fsync_dir
+from ddp_amp.errors import UsageError
+
+
+class ConfigDrift(UsageError):
+    """A resume refused because settings that must match differ; one line per field."""
+
+    def __init__(self, checkpoint: str, differences: list[str], fields: list[str]) -> None:
+        super().__init__("--resume", checkpoint, "the settings this run was saved with",
+                         "resume with the saved values, start a new run (--run-dir / --run-name), or "
+                         f"accept the change knowingly with --allow-change {','.join(fields)}")
+        self.differences, self.fields = differences, fields
+        self.args = ("\n  ".join([str(self.args[0]), *differences]),)
+
+    def __reduce__(self) -> tuple[type[ConfigDrift], tuple[str, list[str], list[str]]]:  # type: ignore[override]
+        return type(self), (str(self.value), self.differences, self.fields)
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """Where this launch starts: a checkpoint (and its step) or a fresh run, and what changed."""
+
+    checkpoint: Path | None
+    step: int = 0
+    notices: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        return f"resume from {self.checkpoint} at step {self.step}" if self.checkpoint else "fresh run"
+
+
+def compare_settings(saved: Mapping[str, Any], config: TrainConfig) -> tuple[list[str], list[str], list[str]]:
+    """(refused lines, their field names, notice lines) for resuming `saved` under `config`."""
+    allowed = set(config.allowed_changes())
+    now = config.to_dict()
+    refused, names, noticed = [], [], []
+    for field in dataclasses.fields(TrainConfig):
+        kind = field.metadata["resume"]
+        if kind in ("free", "precision") or field.name not in saved:
+            continue
+        old, new = saved[field.name], now[field.name]
+        if isinstance(new, tuple) and isinstance(old, list):  # JSON keeps tuples as lists
+            old = tuple(old)
+        if old == new:
+            continue
+        line = f"{flag_of(field.name)}: saved {old!r}, now {new!r}"
+        if kind == "match" and field.name not in allowed:
+            refused.append(line)
+            names.append(field.name)
+        else:
+            noticed.append(f"{line}: the new value applies")
+    return refused, names, noticed
+
+
+def _warn(message: str) -> None:
+    print(f"[ddp_amp] warning: {message}", file=sys.stderr, flush=True)
+
+
+def _archive(root: Path) -> str:
+    archived = root.with_name(f"checkpoints-archived-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.rename(root, archived)  # one rename: the old checkpoints are all here or all there
+    fsync_dir(root.parent)
+    return f"--archive-checkpoints: moved the earlier checkpoints to {archived}"
+
+
+def _decide(config: TrainConfig, run_dir: Path) -> ResumePlan:
+    root = checkpoint_root(run_dir)
+    if config.resume == "none":
+        existing = list_step_dirs(root)
+        if not existing:
+            return ResumePlan(None)
+        if not config.archive_checkpoints:
+            raise UsageError("--resume", "none", "a run directory without checkpoints, for a fresh run",
+                             f"{run_dir} holds {len(existing)} checkpoint(s), newest {existing[-1][1].name}; "
+                             "resume them (--resume auto), start elsewhere (--run-dir / --run-name), or add "
+                             "--archive-checkpoints to move them aside")
+        return ResumePlan(None, notices=(_archive(root),))
+    path = resolve_resume(config.resume, root, _warn)
+    if path is None:
+        return ResumePlan(None)
+    meta = json.loads((path / META_FILE).read_text())
+    refused, names, noticed = compare_settings(meta.get("config", {}), config)
+    if refused:
+        raise ConfigDrift(str(path), refused, names)
+    return ResumePlan(path, int(meta.get("step", 0)), tuple(noticed))
+
+
+def plan_resume(config: TrainConfig, run_dir: Path) -> ResumePlan:
+    """Decide where this launch starts (collective: rank 0 decides, every rank learns it).
+
+    Reads only, except `--archive-checkpoints`' rename; call it under the run's lock for
+    `auto` and `none` (they look at the run directory), before the lock for a PATH.
+    """
+    return on_rank_zero(lambda: _decide(config, run_dir))
