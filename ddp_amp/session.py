@@ -41,6 +41,7 @@ from ddp_amp.dist import (BackendChoice, DeviceChoice, DistContext, all_gather_o
                           on_every_rank, release_ddp, shutdown_distributed, to_device)
 from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
+from ddp_amp.guards import check_rank_sync
 
 log = logging.getLogger(__name__)
 
@@ -216,8 +217,20 @@ class Session:
         """Backward of the scaled loss; keywords (retain_graph, inputs) go to `backward`.
 
         Collective through a DDP model (its gradient all-reduce), except inside `no_sync`.
+        A `retain_graph=True` backward while a DDP model of this session syncs gradients is
+        refused: DDP reduces gradients in one backward per forward (it arms the reduction in
+        the forward), so a second backward through the same graph would leave each rank its
+        own unreduced gradients and the replicas would drift apart.
         """
+        if backward_options.get("retain_graph") and self._synced_ddp_models():
+            raise UsageError("retain_graph", True, "one backward per forward through a DDP model",
+                             "DDP reduces the gradients of the first backward only; sum the losses and call "
+                             "session.backward(loss0 + loss1) once: the gradients are the same")
         scaled_backward(self.scaler, loss, **backward_options)
+
+    def _synced_ddp_models(self) -> list[DDP]:
+        models = (ref() for ref in self._ddp_refs)
+        return [m for m in models if m is not None and m.require_backward_grad_sync]
 
     def unscaled_grad(self, loss: torch.Tensor, inputs: Sequence[torch.Tensor],
                       create_graph: bool = True) -> tuple[torch.Tensor, ...]:
@@ -250,6 +263,17 @@ class Session:
     def update(self) -> None:
         """Update the loss scale once, after every optimizer of the step has stepped."""
         self.scaler.update()
+
+    def check_sync(self, model: nn.Module, step: int = 0) -> None:
+        """Stop if the ranks no longer hold the same weights and scaler state (collective).
+
+        The Trainer's `--check-sync-every` guard: every rank gathers a fingerprint of the
+        model's parameters, the scaler's state and `step`; if any rank differs from rank 0,
+        every rank raises `TrainingHalted` naming the ranks and the parameters that differ.
+        Call it on every rank at the same point, e.g. every few hundred steps.
+        """
+        named = [(name, p) for name, p in unwrap_model(model).named_parameters() if p.requires_grad]
+        check_rank_sync(named, self.scaler, step)
 
     # -- data and collectives --------------------------------------------------------
 

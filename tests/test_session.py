@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_amp import AutocastModule, DistContext, Session, UsageError
+from ddp_amp.errors import TrainingHalted
 from tests.multiproc import REPO_ROOT, cli_env, run_ranks
 
 
@@ -156,3 +157,41 @@ def test_close_releases_a_live_ddp_model_and_exits_cleanly(tmp_path: Path) -> No
     assert result.returncode == 0 and "terminate called" not in result.stderr, result.stderr[-4000:]
     observed = json.loads(facts.read_text())
     assert observed == {"group_gone": True, "reducer_released": True, "model_alive": True}
+
+
+def _two_backwards_and_drift(ctx: DistContext) -> dict[str, object]:
+    with Session("fp32", "cpu", environ=os.environ) as session:
+        torch.manual_seed(0)
+        model = session.setup(tiny())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(ctx.rank)
+        out = model(torch.randn(6, 4))
+        loss0, loss1 = out.pow(2).mean(), out.abs().mean()
+        refused = ""
+        try:
+            session.backward(loss0, retain_graph=True)  # the AMP recipe's two-loss pattern
+        except UsageError as error:
+            refused = str(error)
+        session.backward(loss0 + loss1)  # the fix the error names: one backward of the sum
+        session.step(optimizer)
+        session.check_sync(model, step=1)  # the replicas agree
+        if ctx.rank == 1:
+            with torch.no_grad():
+                session.unwrap(model)[0].bias[0] += 1.0
+        drift = ""
+        try:
+            session.check_sync(model, step=1)
+        except TrainingHalted as error:
+            drift = str(error)
+    return {"refused": refused, "drift": drift,
+            "params": torch.cat([p.detach().flatten() for p in session.unwrap(model).parameters()])}
+
+
+def test_a_second_backward_through_ddp_is_refused_and_drift_is_caught() -> None:
+    rank0, rank1 = run_ranks(_two_backwards_and_drift, 2)
+    for result in (rank0, rank1):
+        assert "retain_graph=True" in result["refused"] and "sum the losses" in result["refused"]
+        assert "rank 1 differs from rank 0 in parameters 0.bias" in result["drift"]
+    # with the fix, both ranks stepped on the same reduced gradients (before rank 1's drift)
+    differ = (rank0["params"] - rank1["params"]).abs()
+    assert differ.max().item() == 1.0 and (differ > 0).sum().item() == 1

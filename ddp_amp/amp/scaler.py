@@ -1,10 +1,10 @@
 """A GradScaler whose skip decision is the same on every rank.
 
 Plain `torch.amp.GradScaler` decides per process. Where a rank's gradients were not all
-reduced by DDP (parameters outside DDP, gradients changed after backward, unused
-parameters), one rank can find an inf that another does not: it skips the step and halves
-its scale while the other steps, and the replicas drift apart for good (tests/test_scaler.py
-shows it with two ranks).
+reduced by DDP (parameters outside DDP, unused parameters, gradients changed after the
+reduction by a hook or callback on some ranks only), one rank can find an inf that another
+does not: it skips the step and halves its scale while the other steps, and the replicas
+drift apart for good (tests/test_scaler.py shows it with two ranks).
 
 Here the local found-inf flags are all-reduced with MAX right after they are computed, in
 both of GradScaler's paths:
@@ -12,21 +12,18 @@ both of GradScaler's paths:
 - `_check_inf_per_device` (fused optimizers, where `step` hands the flag to the optimizer
   as a device tensor). The agreed flag stays on the device: no `.item()` on this path.
 
-Fast path (skip the all-reduce when it is provably redundant): the caller may declare, on
-every rank right after a synced DDP backward, which parameters' gradients came out of
-DDP's all-reduce (`mark_reduced`). Those gradients are then identical on every rank, so a
-local inf/NaN check gives the same answer everywhere: a non-finite local gradient makes the
-reduced sum non-finite on every rank, and every rank then checks the same tensor. At
-unscale time the scaler verifies the declaration: every gradient the optimizer will step
-must be the very tensor that was marked, with an unchanged version counter (`_version`,
-bumped by every in-place write; DDP's bucket views share one counter per bucket, so any
-write to any gradient of a bucket counts). If anything changed, it falls back to the
-all-reduce. The declaration must be made (or not) on all ranks alike, as the Trainer does.
+Why every rank runs the same collectives: whether the all-reduce runs depends only on the
+process group (more than one rank) and on `agree_with_peers`, a setting fixed when the
+scaler is made, never on a rank's own gradients or on what touched them. A per-rank
+shortcut ("my gradients are provably DDP's reduced ones, skip the agreement") would be
+decided from local facts, and a rank that alone failed the proof would run an all-reduce
+its peers never join: a hang, or a pairing with the wrong collective. The agreement costs
+one one-element all-reduce per optimizer step with peers (on the device, no host sync, on
+NCCL); DeepSpeed and Megatron-LM pay the same for the same reason.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -61,64 +58,33 @@ class AgreedGradScaler(torch.amp.GradScaler):
         # device-to-host sync on CUDA.
         self._last_skipped: torch.Tensor | None = None
         self._skipped_total: torch.Tensor | None = None
-        # --- fast path: skip the agreement when DDP provably reduced every gradient ---
-        self.skip_when_reduced = True  # False: always all-reduce (for measuring its cost)
-        self.agreements_skipped = 0  # collectives saved by the fast path (host int, no sync)
-        self._reduced: dict[int, tuple[torch.Tensor, int]] | None = None
+        # False only to measure what the agreement costs (the benchmark): without it, ranks
+        # can take different skip decisions. Fixed at construction, the same on every rank.
+        self.agree_with_peers = True
+        self.agreements = 0  # found-inf all-reduces run (a host int, no sync)
 
     def _has_peers(self) -> bool:
         return dist.is_initialized() and dist.get_world_size(self.process_group) > 1
 
-    def _agree(self, found_inf_per_device: dict[torch.device, torch.Tensor]) -> None:
+    def _agree(self, found_inf_per_device: dict[Any, torch.Tensor]) -> None:
         """MAX-reduce each local found-inf flag in place, so any rank's inf is everyone's."""
-        if not self._has_peers():
+        if not (self.agree_with_peers and self._has_peers()):
             return
         for flag in found_inf_per_device.values():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
-
-    def mark_reduced(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Declare that these parameters' gradients were just produced by DDP's all-reduce.
-
-        Call on every rank, right after a backward in which DDP synchronised gradients
-        (not inside `no_sync`), before anything else touches them. The next unscale skips
-        the found-inf all-reduce if every gradient it sees is still exactly what was marked.
-        """
-        self._reduced = {id(p): (p.grad, p.grad._version) for p in params if p.grad is not None}
-
-    def _proven_reduced(self, optimizer: torch.optim.Optimizer) -> bool:
-        """True if every gradient of `optimizer` is a marked, unmodified DDP-reduced tensor."""
-        if not self.skip_when_reduced or not self._reduced:
-            return False
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                mark = self._reduced.get(id(param))
-                if mark is None or mark[0] is not param.grad or mark[1] != param.grad._version:
-                    return False
-        return True
-
-    def _agree_unless_proven(self, proven: bool, found_inf_per_device: dict[Any, torch.Tensor]) -> None:
-        if proven and self._has_peers():
-            self.agreements_skipped += 1
-        else:
-            self._agree(found_inf_per_device)
+        self.agreements += 1
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        # The proof is checked before unscaling, because unscaling writes the gradients.
-        proven = self._enabled and self._proven_reduced(optimizer)
         super().unscale_(optimizer)
         if self._enabled:
-            self._agree_unless_proven(proven, self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
+            self._agree(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        proven = self._proven_reduced(optimizer)
         found_inf_per_device = super()._check_inf_per_device(optimizer)
-        self._agree_unless_proven(proven, found_inf_per_device)
+        self._agree(found_inf_per_device)
         return found_inf_per_device
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        self._reduced = None  # a declaration holds for one step only
         if self._enabled and self._scale is not None:
             flags = [flag.to(self._scale.device, non_blocking=True)
                      for state in self._per_optimizer_states.values()

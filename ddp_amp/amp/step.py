@@ -50,18 +50,14 @@ def _stepped_params(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.T
 
 def amp_step(scaler: AgreedGradScaler, optimizers: Sequence[torch.optim.Optimizer], *,
              clip_grad_norm: float | None = None, clip_params: Sequence[torch.Tensor] | None = None,
-             update: bool = True, reduced: Sequence[nn.Parameter] = ()) -> StepResult:
+             update: bool = True) -> StepResult:
     """Unscale, clip, step each optimizer unless any rank saw inf/NaN, update once (collective).
 
     `clip_grad_norm`: one total norm over all given optimizers' gradients (or over
     `clip_params`, a caller's cached list of the same parameters), in real units; None
     for no clipping. `update=False` leaves the scale alone, for all but the last call of
-    a step whose optimizers are stepped in several calls. `reduced`: parameters whose
-    gradients DDP just all-reduced and nothing touched since, declared on every rank
-    alike; the scaler may then skip its found-inf agreement (see `AgreedGradScaler`).
+    a step whose optimizers are stepped in several calls.
     """
-    if reduced and scaler.is_enabled():
-        scaler.mark_reduced(reduced)
     grad_norm = None
     if clip_grad_norm is not None:
         for optimizer in optimizers:

@@ -3,10 +3,9 @@
 Contenders run interleaved in blocks inside one run on the same ranks (stats.py):
 - `hand`: the recipe loop (autocast + GradScaler + DDP + scaler.step/update, recipe.py);
 - `trainer`: ddp_amp's `Trainer.train_step` (AutocastModule under DDP, AgreedGradScaler);
-- on the tiny model also `always_agree`: the Trainer with the scaler's fast path off, so
-  the found-inf all-reduce runs every step; `always_agree / trainer` is the cost of the
-  agreed overflow decision that the fast path saves. The same pair is measured once more
-  with fp32 compute (`agreement_cost`), where a CPU's slow fp16 kernels cannot hide it.
+- `agreement_cost`: the Trainer against itself with the scaler's found-inf all-reduce off
+  (`agree_with_peers=False`), on the tiny model with fp32 compute (a CPU's slow fp16
+  kernels would hide it): what the agreed skip decision costs per step with peers.
 Both loops get the same model init, the same pre-made batches, the same precision, the
 same optimizer kernels and the same DDP options, so the ratio is the launcher's own cost.
 The Trainer's data stream is replaced by the same pre-made batches the hand loop uses.
@@ -57,8 +56,7 @@ def _hand_like(ctx: DistContext, size: RecipeSize, precision: Precision, trainer
                     fused=fused, bucket_view=True)
 
 
-def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: int, steps: int,
-             with_agree_cost: bool) -> dict[str, Any]:
+def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: int, steps: int) -> dict[str, Any]:
     """Collective: every rank runs the same interleaved schedule; rank 0's timings count."""
     precision = Precision(precision_name, ctx.device.type)  # type: ignore[arg-type]
     batches = make_batches(size, N_BATCHES, ctx.device, seed=1 + ctx.rank)
@@ -67,11 +65,6 @@ def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: in
     hand = _hand_like(ctx, size, precision, trainer)
     names = ["hand", "trainer"]
     contenders = [lambda: hand.step(next(cycle)), lambda: trainer.train_step()]
-    if with_agree_cost:
-        always = make_trainer(ctx, size, precision, batches)
-        always.scaler.skip_when_reduced = False
-        names.append("always_agree")
-        contenders.append(lambda: always.train_step())
     interleave(contenders, 1, 3, ctx.device)  # warm-up, not counted
     times = interleave(contenders, blocks, steps, ctx.device)
     result: dict[str, Any] = {
@@ -79,11 +72,8 @@ def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: in
         "blocks": blocks, "steps_per_block": steps,
         "step_ms": {name: median_ms(t) for name, t in zip(names, times)},
         "trainer_over_hand": paired_ratio(times[0], times[1]),
-        "agreements_skipped": trainer.scaler.agreements_skipped,
+        "agreements": trainer.scaler.agreements,
     }
-    if with_agree_cost:
-        result["always_agree_over_trainer"] = paired_ratio(times[1], times[2])
-        result["always_agree_skipped"] = always.scaler.agreements_skipped
     return result
 
 
@@ -92,32 +82,32 @@ def _agreement_cost(ctx: DistContext, blocks: int, steps: int) -> dict[str, Any]
 
     On a CPU without fp16 units a tiny fp16 step is ~4x slower than fp32 (docs/facts.md), which
     hides a ~0.2 ms collective in noise; with autocast off the step is as short as it gets
-    while the scaler still runs its found-inf check and (without the fast path) all-reduce.
+    while the scaler still runs its found-inf check and all-reduce.
     Collective: every rank runs the same schedule.
     """
     precision = Precision("fp16", ctx.device.type)
     batches = make_batches(TINY, N_BATCHES, ctx.device, seed=1 + ctx.rank)
-    fast = make_trainer(ctx, TINY, precision, batches)
-    always = make_trainer(ctx, TINY, precision, batches)
-    always.scaler.skip_when_reduced = False
-    for trainer in (fast, always):
+    unagreed = make_trainer(ctx, TINY, precision, batches)
+    agreed = make_trainer(ctx, TINY, precision, batches)
+    unagreed.scaler.agree_with_peers = False  # on every rank alike: a measurement, not a run
+    for trainer in (unagreed, agreed):
         trainer.autocast_model.enabled = False
-    contenders = [lambda: fast.train_step(), lambda: always.train_step()]
+    contenders = [lambda: unagreed.train_step(), lambda: agreed.train_step()]
     interleave(contenders, 1, 3, ctx.device)
     # The steps are short: more and longer blocks for the same wall time.
     times = interleave(contenders, 2 * blocks, 4 * steps, ctx.device)
     return {"size": asdict(TINY), "compute": "fp32 with loss scaling (autocast off)", "ranks": ctx.world_size,
             "blocks": 2 * blocks, "steps_per_block": 4 * steps,
-            "step_ms": {"fast_path": median_ms(times[0]), "always_agree": median_ms(times[1])},
-            "always_agree_over_fast_path": paired_ratio(times[0], times[1]),
-            "agreements_skipped": fast.scaler.agreements_skipped}
+            "step_ms": {"unagreed": median_ms(times[0]), "agreed": median_ms(times[1])},
+            "agreed_over_unagreed": paired_ratio(times[0], times[1]),
+            "agreements": agreed.scaler.agreements}
 
 
 def _measure_both(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: int,
                   steps: int) -> dict[str, Any]:
     """Collective: the recipe model, then the tiny model with the agreement's cost."""
-    return {"recipe_model": _measure(ctx, size, precision_name, blocks, steps, False),
-            "tiny_model": _measure(ctx, TINY, precision_name, blocks, steps, True),
+    return {"recipe_model": _measure(ctx, size, precision_name, blocks, steps),
+            "tiny_model": _measure(ctx, TINY, precision_name, blocks, steps),
             "agreement_cost": _agreement_cost(ctx, blocks, steps)}
 
 

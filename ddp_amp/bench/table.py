@@ -54,17 +54,14 @@ def overhead_table(section: dict[str, Any]) -> str:
                  f"{size['batch']}/rank, {run['precision']}, {run['ranks']} ranks{ddp}, {run['blocks']} blocks x "
                  f"{run['steps_per_block']} steps, interleaved): median step {steps}",
                  f"  trainer / hand-written recipe: {ratio_text(run['trainer_over_hand'])}",
-                 f"  found-inf all-reduces skipped by the trainer's fast path: {run['agreements_skipped']}"]
-        if "always_agree_over_trainer" in run:
-            lines.append("  agreed overflow decision, all-reduce every step / fast path: "
-                         + ratio_text(run["always_agree_over_trainer"]))
+                 f"  found-inf all-reduces run by the trainer (one per step with peers): {run['agreements']}"]
         parts.append("\n".join(lines))
     cost = section["agreement_cost"]
     parts.append(f"Agreed overflow decision, tiny model, {cost['compute']}, {cost['ranks']} ranks, "
                  f"{cost['blocks']} blocks x {cost['steps_per_block']} steps: median step "
-                 f"fast path {cost['step_ms']['fast_path']:.3g} ms, all-reduce every step "
-                 f"{cost['step_ms']['always_agree']:.3g} ms\n  all-reduce every step / fast path: "
-                 + ratio_text(cost["always_agree_over_fast_path"]))
+                 f"without the agreement {cost['step_ms']['unagreed']:.3g} ms, with it "
+                 f"{cost['step_ms']['agreed']:.3g} ms\n  agreed / unagreed: "
+                 + ratio_text(cost["agreed_over_unagreed"]))
     return "\n".join(parts)
 
 

@@ -12,15 +12,14 @@ Imports only `env` and `errors` from ddp_amp.
 
 from ddp_amp.dist.collectives import (all_gather_objects, all_reduce_, broadcast_object, has_peers,
                                       on_every_rank, on_rank_zero)
-from ddp_amp.dist.ddp import (CommHook, comm_hook, grads_were_synced, reduced_params, release_ddp,
-                              wrap_ddp)
+from ddp_amp.dist.ddp import CommHook, comm_hook, release_ddp, wrap_ddp
 from ddp_amp.dist.device import DeviceChoice, resolve_device, to_device
 from ddp_amp.dist.group import (BackendChoice, DistContext, distributed, init_distributed,
                                 resolve_backend, shutdown_distributed)
 
 __all__ = [
     "BackendChoice", "CommHook", "DeviceChoice", "DistContext", "all_gather_objects", "all_reduce_",
-    "broadcast_object", "comm_hook", "distributed", "grads_were_synced", "has_peers",
-    "init_distributed", "on_every_rank", "on_rank_zero", "reduced_params", "release_ddp",
+    "broadcast_object", "comm_hook", "distributed", "has_peers",
+    "init_distributed", "on_every_rank", "on_rank_zero", "release_ddp",
     "resolve_backend", "resolve_device", "shutdown_distributed", "to_device", "wrap_ddp",
 ]

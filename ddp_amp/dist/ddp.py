@@ -76,19 +76,6 @@ def wrap_ddp(module: nn.Module, device: torch.device, *, comm_hook: CommHook | N
     return ddp
 
 
-def reduced_params(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters whose gradients DDP all-reduces (none for a model without DDP)."""
-    if not isinstance(model, DDP):
-        return []
-    ignored = model.parameters_to_ignore
-    return [p for name, p in model.module.named_parameters() if p.requires_grad and name not in ignored]
-
-
-def grads_were_synced(model: nn.Module) -> bool:
-    """True if the backward that just ran let DDP all-reduce (not inside `no_sync`)."""
-    return isinstance(model, DDP) and bool(model.require_backward_grad_sync)
-
-
 def release_ddp(model: DDP) -> None:
     """Drop a still-referenced DDP wrapper's hold on the process group before the group goes.
 

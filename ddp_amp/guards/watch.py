@@ -1,9 +1,11 @@
 """The run's watchdogs on the training loop's cadence: overflow reports, loss-scale guard, sync guard.
 
 The trainer makes one `RunWatch` before it wraps the model (`comm_hook` gives the overflow
-probe's hook to DDP) and calls it at four points:
-- `after_update(step)`: every step, after `scaler.update()` and before `zero_grad` (the
-  skipped step's gradients are still there for forensics);
+probe's hook to DDP) and calls it at five points:
+- `after_update(step, loss)`: every step, after `scaler.update()` and before `zero_grad`
+  (the skipped step's gradients are still there for forensics);
+- `before_checkpoint(step, resume_from)`: before every checkpoint, so none holds a
+  non-finite state;
 - `on_log(record)`: at every logged step;
 - `after_resume(step)`: once, right after a checkpoint was loaded;
 - `finish(step)`: after the last step (reports overflows not reported yet).
@@ -21,11 +23,13 @@ from typing import Any
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ddp_amp.amp import AgreedGradScaler, LossScaleOptions
 from ddp_amp.dist import CommHook
 from ddp_amp.errors import TrainingHalted
+from ddp_amp.guards.finite import FiniteStateGuard
 from ddp_amp.guards.forensics import OverflowProbe, describe
 from ddp_amp.guards.loss_scale import LossScaleGuard, check_loss_finite
 from ddp_amp.guards.rank_sync import check_rank_sync
@@ -54,6 +58,7 @@ class RunWatch:
         self.guard = LossScaleGuard(self.options)
         self.sync_every = options.check_sync_every
         device = next((p.device for _, p in named_params), None)
+        self.finite = FiniteStateGuard(device or torch.device("cpu"), track_losses=not scaler.is_enabled())
         self.probe: OverflowProbe | None = None
         if scaler.is_enabled() and device is not None:
             self.probe = OverflowProbe(named_params, rank, device)
@@ -74,8 +79,9 @@ class RunWatch:
         """
         return self.probe.comm_hook(inner) if self.probe is not None else inner
 
-    def after_update(self, step: int) -> None:
+    def after_update(self, step: int, loss: torch.Tensor) -> None:
         """Per-step checks; `step` counts this step (collective on check steps, on all ranks)."""
+        self.finite.record(step, loss)
         if self.probe is not None and step % self.check_every == 0:
             total = int(self.scaler.skipped_steps().item())
             new, self._seen_skips = total - self._seen_skips, total
@@ -97,6 +103,13 @@ class RunWatch:
                 check_loss_finite(record["loss"], record["step"], self.precision)
             except TrainingHalted as error:
                 self._halt(record["step"], error)
+
+    def before_checkpoint(self, step: int, resume_from: str) -> None:
+        """Stop on every rank, writing nothing, if the state to be saved is not finite (collective)."""
+        try:
+            self.finite.check([p for _, p in self.named_params], step, resume_from)
+        except TrainingHalted as error:
+            self._halt(step, error)
 
     def finish(self, step: int) -> None:
         """At the end of training: report overflows not yet reported (collective)."""

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_amp import checkpoint
 from ddp_amp.amp import AutocastModule, Precision, amp_step, scaled_backward, unwrap_model, wrap_model
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistContext, all_reduce_, comm_hook, grads_were_synced, reduced_params
+from ddp_amp.dist import DistContext, all_reduce_, comm_hook
 from ddp_amp.guards import PreemptionWatch, RunWatch, parse_signals, stop_for_preemption, worker_ignores
 from ddp_amp.metrics import RunLog, peak_memory_mb
 from ddp_amp.tasks import Task
@@ -58,7 +58,6 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(task, config.optimizer, self.params,
                                         config.lr or task.default_lr, self.device, config.optimizer_impl)
-        self._reduced_params = reduced_params(self.model)
         self.scheduler = task.make_scheduler(self.optimizer) if task.make_scheduler else None
         self.lr_steps = TakenStepScheduler(self.scheduler, self.scaler) if self.scheduler else None
         self.clip_grad_norm = config.clip_grad_norm or task.default_clip_grad_norm or None
@@ -74,6 +73,7 @@ class Trainer:
         self.checkpoint_root = checkpoint_root
         self.checkpoint_error: checkpoint.CheckpointError | None = None
         self._saved_step: int | None = None
+        self.last_checkpoint: Path | None = None  # the newest this run committed or resumed from
 
     @property
     def autocast_model(self) -> AutocastModule:
@@ -93,12 +93,8 @@ class Trainer:
                     loss = self.task.loss_fn(output, target) / accum
                 scaled_backward(self.scaler, loss)
             step_loss += loss.detach().float()
-        # Nothing touches the gradients between DDP's all-reduce and the unscale, on any
-        # rank, so the scaler may skip its found-inf all-reduce (amp/scaler.py).
-        reduced = self._reduced_params if grads_were_synced(self.model) else ()
-        amp_step(self.scaler, (self.optimizer,), clip_grad_norm=self.clip_grad_norm,
-                 clip_params=self.params, reduced=reduced)
-        self.watch.after_update(self.step + 1)  # before zero_grad: forensics reads the grads
+        amp_step(self.scaler, (self.optimizer,), clip_grad_norm=self.clip_grad_norm, clip_params=self.params)
+        self.watch.after_update(self.step + 1, step_loss)  # before zero_grad: forensics reads the grads
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_steps is not None:  # on taken steps only, without a host sync per step
             self.lr_steps.after_step()
@@ -223,6 +219,7 @@ class Trainer:
             return None
         if self._saved_step == self.step:
             return self.checkpoint_root / checkpoint.step_dir_name(self.step)
+        self.watch.before_checkpoint(self.step, self._resume_hint())
         started = time.perf_counter()
         meta = run_meta(self.config.to_dict(), self._parts(), self.precision.name, self.step)
         result = checkpoint.save_checkpoint(self.checkpoint_root, self.step,
@@ -232,9 +229,14 @@ class Trainer:
         if result.path is None:
             self.run_log.info(f"checkpoint at step {self.step} failed: {result.error}")
             return None
-        self._saved_step = self.step
+        self._saved_step, self.last_checkpoint = self.step, result.path
         self.run_log.info(f"saved checkpoint {result.path} ({time.perf_counter() - started:.2f} s)")
         return result.path
+
+    def _resume_hint(self) -> str:
+        if self.last_checkpoint is None:
+            return "no checkpoint of this run holds a finite state yet: start again (--resume none)"
+        return f"resume from {self.last_checkpoint}, the newest finite checkpoint (--resume auto picks it)"
 
     def _checkpoint_or_raise(self) -> None:
         if self.save_checkpoint() is None and self.checkpoint_error is not None:
@@ -256,6 +258,7 @@ class Trainer:
         own = self.checkpoint_root and Path(path).resolve() == (
             self.checkpoint_root / checkpoint.step_dir_name(self.step)).resolve()
         self._saved_step = self.step if own else None
+        self.last_checkpoint = Path(path)
         self.run_log.info(f"resumed from {path} at step {self.step}")
 
     def _apply_new_lr(self, saved_config: dict[str, Any]) -> None:

@@ -7,6 +7,8 @@
 inf on rank `bad_rank` only (a tensor hook, so it runs before DDP reduces the bucket): the
 loss stays finite, the local gradients of one rank do not.
 `poison=loss`: from call `from_step` on, the loss is NaN on every rank.
+`poison=rank_loss`: from call `from_step` on, the loss is NaN on rank `bad_rank` only (its
+NaN gradients then reach every rank's weights through DDP's reduction).
 """
 
 from __future__ import annotations
@@ -51,9 +53,11 @@ def make_task(config: TrainConfig) -> Task:
         loss = nn.functional.mse_loss(output.float(), target)
         if poison == "loss" and countdown.tick():
             return loss * float("nan")
+        if poison == "rank_loss" and countdown.tick() and rank == bad_rank:
+            return loss * float("nan")
         return loss
 
-    if poison != "loss":
+    if poison not in ("loss", "rank_loss"):
         param = dict(model.named_parameters())[poison]
 
         def poison_grad(grad: torch.Tensor) -> Any:

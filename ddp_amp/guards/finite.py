@@ -1,0 +1,57 @@
+"""Never commit a broken state: a checkpoint is written only from finite weights.
+
+Under bf16 or fp32 nothing skips a step whose loss is NaN or inf: its gradients reach the
+weights, and every rank's weights after it are non-finite (DDP sums the bad gradients
+into everyone's). The logged loss shows it only at the next log step, so without a check
+every checkpoint in between would commit the broken weights and retention would delete the
+finite ones. Here:
+- every step, the first non-finite step loss is remembered on the device (two small ops,
+  no host sync), so the stop can name the step where it went wrong;
+- before every checkpoint, each rank checks its weights (one pass over them, read once)
+  and the ranks gather what they found (collective); if any rank's weights or losses are
+  non-finite, nothing is written and every rank stops with the step and the newest finite
+  checkpoint to resume from.
+Under fp16 the scaler skips non-finite steps, so only the weights are checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ddp_amp.dist import all_gather_objects
+from ddp_amp.errors import TrainingHalted
+
+
+class FiniteStateGuard:
+    """The first non-finite step loss (on the device) and the pre-checkpoint weight check."""
+
+    def __init__(self, device: torch.device, track_losses: bool) -> None:
+        self.track_losses = track_losses
+        self._first_bad = torch.full((), -1, dtype=torch.int64, device=device)
+
+    def record(self, step: int, loss: torch.Tensor) -> None:
+        """Remember `step` if its loss is the first non-finite one (no host sync)."""
+        if self.track_losses:
+            fresh = torch.where(torch.isfinite(loss), -1, step)
+            self._first_bad = torch.where(self._first_bad >= 0, self._first_bad, fresh)
+
+    @torch.no_grad()
+    def check(self, params: Sequence[nn.Parameter], step: int, resume_from: str) -> None:
+        """Raise TrainingHalted on every rank if any rank's weights or losses went non-finite.
+
+        Collective: one all-gather. `resume_from` names the newest finite checkpoint.
+        """
+        weights_bad = bool(params) and not bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+        found = all_gather_objects((int(self._first_bad.item()), weights_bad))
+        bad_steps = sorted(first for first, _ in found if first >= 0)  # type: ignore[misc]
+        bad_ranks = [rank for rank, (_, bad) in enumerate(found) if bad]  # type: ignore[misc]
+        if not bad_steps and not bad_ranks:
+            return
+        where = f"the loss first went non-finite at step {bad_steps[0]}" if bad_steps else \
+            f"the weights of rank(s) {bad_ranks} are non-finite"
+        raise TrainingHalted(
+            f"not checkpointing step {step}: {where}, so the model is no longer finite. Nothing was "
+            f"written from this state; {resume_from}. Try a lower --lr or --clip-grad-norm 1.0.")
