@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -122,26 +123,9 @@ class TrainConfig:
                            "once, at the end, for the summary")
 
     def __post_init__(self) -> None:
-        positive = {"max_steps": self.max_steps, "batch_size": self.batch_size,
-                    "grad_accum": self.grad_accum, "log_every": self.log_every}
-        for name, value in positive.items():
-            if value < 1:
-                raise UsageError(flag_of(name), value, "an integer >= 1", f"e.g. {flag_of(name)} 1")
-        for name in ("lr", "clip_grad_norm"):
-            if getattr(self, name) < 0:
-                raise UsageError(flag_of(name), getattr(self, name), "a number >= 0", "0 turns it off")
-        if self.dist_timeout <= 0:
-            raise UsageError("--dist-timeout", self.dist_timeout, "seconds > 0", "e.g. --dist-timeout 600")
-        if self.eval_every < 0:
-            raise UsageError("--eval-every", self.eval_every, "an integer >= 0", "0 evaluates only at the end")
-        if self.num_workers < 0:
-            raise UsageError("--num-workers", self.num_workers, "an integer >= 0", "0 loads data in the training process")
-        for name in ("ckpt_every", "keep_last"):
-            if getattr(self, name) < 0:
-                raise UsageError(flag_of(name), getattr(self, name), "an integer >= 0", "0 turns it off")
+        for name, (low, high) in NUMBER_LIMITS.items():
+            check_number(flag_of(name), getattr(self, name), low, high)
         self.loss_scale_options().validate()
-        if self.check_sync_every < 0:
-            raise UsageError("--check-sync-every", self.check_sync_every, "an integer >= 0", "0 = off")
         for item in self.task_opt:
             if "=" not in item:
                 raise UsageError("--task-opt", item, "KEY=VALUE", "e.g. --task-opt hidden=256")
@@ -196,6 +180,29 @@ class TrainConfig:
 
 def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+# Every numeric option's range, inclusive. Zero, where allowed, means what the option's help
+# says ("0 turns it off", "0 = only at the end"). The upper bounds keep values inside what
+# the code can represent (2**53: exact in JSON and floats; timeouts inside a timedelta).
+INT_LIMIT = 2**53
+TEN_YEARS_S = 10 * 365 * 86400.0
+NUMBER_LIMITS: dict[str, tuple[float, float]] = {
+    "max_steps": (1, INT_LIMIT), "batch_size": (1, 2**31), "grad_accum": (1, 2**31), "lr": (0, 1e6),
+    "clip_grad_norm": (0, 1e12), "seed": (0, 2**63 - 1), "dist_timeout": (1e-3, TEN_YEARS_S),
+    "num_workers": (0, 256), "log_every": (1, INT_LIMIT), "ckpt_every": (0, INT_LIMIT),
+    "keep_last": (0, 2**31), "max_consecutive_skips": (0, INT_LIMIT), "check_sync_every": (0, INT_LIMIT),
+    "preempt_check_s": (1e-3, TEN_YEARS_S), "eval_every": (0, INT_LIMIT),
+}
+
+
+def check_number(flag: str, value: float, low: float, high: float) -> None:
+    """Raise a one-line UsageError unless `low <= value <= high` (nan and inf never are)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UsageError(flag, value, f"a finite number from {low:g} to {high:g}", f"see {flag} in --help")
+    if not low <= value <= high:
+        kind = "an integer" if isinstance(value, int) else "a number"
+        raise UsageError(flag, value, f"{kind} from {low:g} to {high:g}", f"see {flag} in --help")
 
 
 def match_fields() -> tuple[str, ...]:

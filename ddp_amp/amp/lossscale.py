@@ -125,15 +125,16 @@ class LossScaleOptions:
 
     def validate(self) -> None:
         """Raise `UsageError` naming the bad option."""
-        if not self.init_scale > 0:
-            raise UsageError("--loss-scale-init", self.init_scale, "a number > 0", "65536 is the usual start")
+        if not 0 < self.init_scale <= 2.0**64:  # also refuses nan; inf and past 2**64 overflow fp32 soon
+            raise UsageError("--loss-scale-init", self.init_scale, "a number > 0 and at most 2**64",
+                             "65536 is the usual start")
         if not 0 < self.backoff_factor < 1:
             raise UsageError("--loss-scale-backoff", self.backoff_factor, "a factor with 0 < f < 1", "e.g. 0.5")
-        if self.min_scale < 0 or self.min_scale > self.init_scale:
+        if not 0 <= self.min_scale <= self.init_scale:
             raise UsageError("--loss-scale-min", self.min_scale, f"0 <= floor <= --loss-scale-init "
                              f"({self.init_scale})", "0 turns the floor off; 1 is usual")
         for flag, value, least in (("--loss-scale-growth-interval", self.growth_interval, 1),
                                    ("--loss-scale-hysteresis", self.hysteresis, 1),
                                    ("--max-consecutive-skips", self.max_consecutive_skips, 0)):
-            if value < least:
-                raise UsageError(flag, value, f"an integer >= {least}", f"e.g. {flag} {max(least, 1)}")
+            if not least <= value < 2**53:
+                raise UsageError(flag, value, f"an integer from {least} to 2**53", f"e.g. {flag} {max(least, 1)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 import torch
@@ -35,11 +36,18 @@ def resolve_device(choice: DeviceChoice, env: DistEnv, backend: str = "auto") ->
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """Move tensors (also inside tuples, lists and dicts) to `device`, without blocking."""
+    """Move tensors to `device` without blocking, field by field through tuples, namedtuples,
+    lists, dicts and dataclasses (which keep their types, dicts become plain dicts); anything else is
+    left as it is."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields by position
+        return type(batch)(*(to_device(item, device) for item in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(item, device) for item in batch)
     if isinstance(batch, dict):
         return {key: to_device(value, device) for key, value in batch.items()}
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        moved = {f.name: to_device(getattr(batch, f.name), device) for f in dataclasses.fields(batch) if f.init}
+        return dataclasses.replace(batch, **moved)
     return batch

@@ -7,6 +7,7 @@ A task is made by a function that takes the run's `TrainConfig` and returns a `T
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,8 @@ def parse_task_options(options: Mapping[str, str], defaults: Mapping[str, int | 
         except ValueError:
             raise UsageError(f"--task-opt {key}", raw, "an integer" if kind is int else "a number",
                              f"e.g. --task-opt {key}={defaults[key]:g}") from None
+        if not math.isfinite(values[key]):
+            raise UsageError(f"--task-opt {key}", raw, "a finite number", f"e.g. --task-opt {key}={defaults[key]:g}")
     return values
 
 
@@ -93,6 +96,9 @@ def _check_task(spec: str, task: object) -> Task:
                          "e.g. loss_fn=torch.nn.functional.cross_entropy")
     if len(task.train_data) == 0:  # type: ignore[arg-type]
         raise UsageError("--task", spec, "a non-empty Task.train_data", "check the dataset's path and size")
+    if task.eval_data is not None and len(task.eval_data) == 0:  # type: ignore[arg-type]
+        raise UsageError("--task", spec, "a non-empty Task.eval_data, or None",
+                         "give the held-out set items, or leave eval_data and metric out")
     for name in ("metric", "make_optimizer", "make_scheduler", "finalize_metrics"):
         if getattr(task, name) is not None and not callable(getattr(task, name)):
             raise UsageError("--task", spec, f"Task.{name} to be callable or None, "
@@ -102,7 +108,7 @@ def _check_task(spec: str, task: object) -> Task:
                          "a metric needs held-out data to run on")
     for name in ("default_lr", "default_clip_grad_norm"):
         value = getattr(task, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
             raise UsageError("--task", spec, f"Task.{name} to be a number >= 0, got {value!r}",
                              "e.g. default_lr=1e-3; 0 turns clipping off")
     return task

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from ddp_amp.config import TrainConfig
     from ddp_amp.tasks import Task
 
+MAX_POSITIONS = 4096  # the longest sequence the positional table covers
+
 # The example's sizes (emsize 200, nhid 200, 2 layers, 2 heads, dropout 0.2, bptt 35).
 DEFAULTS: dict[str, float] = {"emsize": 200, "nhid": 200, "nlayers": 2, "nhead": 2, "bptt": 35,
                               "vocab": 0, "tokens": 0, "dropout": 0.2}
@@ -84,7 +86,7 @@ class ChunkDataset(Dataset):
 class PositionalEncoding(nn.Module):
     """Fixed sinusoidal position signal added to the embeddings (as in the example)."""
 
-    def __init__(self, width: int, dropout: float, max_len: int = 4096) -> None:
+    def __init__(self, width: int, dropout: float, max_len: int = MAX_POSITIONS) -> None:
         super().__init__()
         self.dropout = nn.Dropout(dropout)
         position = torch.arange(max_len).unsqueeze(1)
@@ -147,6 +149,9 @@ def read_options(options: dict[str, str]) -> dict[str, float]:
         if values[key] < low or (key == "dropout" and values[key] >= 1):
             raise UsageError(f"--task-opt {key}", raw, f"a number >= {low}" + (" and < 1" if key == "dropout" else ""),
                              f"e.g. --task-opt {key}={DEFAULTS[key]:g}")
+    if values["bptt"] > MAX_POSITIONS:
+        raise UsageError("--task-opt bptt", int(values["bptt"]), f"at most {MAX_POSITIONS} (the model's "
+                         "positional table)", f"e.g. --task-opt bptt={DEFAULTS['bptt']:g}")
     if values["emsize"] % values["nhead"]:
         raise UsageError("--task-opt nhead", int(values["nhead"]), f"a divisor of emsize={int(values['emsize'])}",
                          "attention splits emsize evenly over the heads")

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from ddp_amp.dist import DistContext, all_reduce_, to_device
 from ddp_amp.tasks import Task
+from ddp_amp.trainer.stream import collate
 
 
 @torch.no_grad()
@@ -38,7 +39,7 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: Dist
         # A generator of its own: a DataLoader draws its base seed from the global RNG
         # otherwise, and evaluating would change the dropout of the steps after it.
         loader = DataLoader(task.eval_data, batch_size=micro_batch_size, sampler=sampler,
-                            generator=torch.Generator())
+                            generator=torch.Generator(), collate_fn=collate)
         for batch in loader:
             inputs, target = to_device(batch, ctx.device)
             for name, (total, count) in task.metric(forward(inputs), target).items():

@@ -8,14 +8,41 @@ seed. The position (epoch, micro-batch within the epoch) is part of a checkpoint
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
 from ddp_amp.dist import to_device
 from ddp_amp.errors import UsageError
+
+
+def _holds_dataclass(value: Any) -> bool:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(_holds_dataclass(item) for item in value)
+    if isinstance(value, Mapping):
+        return any(_holds_dataclass(item) for item in value.values())
+    return False
+
+
+def collate(items: list[Any]) -> Any:
+    """torch's `default_collate`, which also takes dataclass items: collated field by field into
+    one dataclass of batched fields (default_collate refuses them)."""
+    first = items[0]
+    if not _holds_dataclass(first):
+        return default_collate(items)
+    if dataclasses.is_dataclass(first):
+        return dataclasses.replace(first, **{f.name: collate([getattr(item, f.name) for item in items])
+                                              for f in dataclasses.fields(first) if f.init})
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(collate(list(group)) for group in zip(*items)))
+    if isinstance(first, (tuple, list)):
+        return [collate(list(group)) for group in zip(*items)]  # as default_collate does
+    return {key: collate([item[key] for item in items]) for key in first}
 
 
 class BatchStream:
@@ -60,7 +87,7 @@ class BatchStream:
             (self.sampler.seed * 1_000_003 + self.sampler.rank) * 1_000_003 + self.epoch)
         loader = DataLoader(self.dataset, batch_size=self.micro_batch_size, sampler=order,
                             drop_last=True, num_workers=self.num_workers,
-                            pin_memory=self.device.type == "cuda", generator=generator,
+                            pin_memory=self.device.type == "cuda", generator=generator, collate_fn=collate,
                             worker_init_fn=self.worker_init_fn)
         return iter(loader)
 

@@ -15,3 +15,12 @@ def returns_a_model(config: Any) -> nn.Module:
 
 def model_is_not_a_module(config: Any) -> Task:
     return Task(model="not a model", train_data=[(1, 2)], loss_fn=lambda o, t: o)  # type: ignore[arg-type]
+
+
+def empty_train_set(config: Any) -> Task:
+    return Task(model=nn.Linear(2, 2), train_data=[], loss_fn=nn.functional.mse_loss)
+
+
+def empty_eval_set(config: Any) -> Task:
+    return Task(model=nn.Linear(2, 2), train_data=[(1, 2)], loss_fn=nn.functional.mse_loss, eval_data=[],
+                metric=lambda output, target: {})
