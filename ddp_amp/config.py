@@ -192,7 +192,7 @@ NUMBER_LIMITS: dict[str, tuple[float, float]] = {
     "clip_grad_norm": (0, 1e12), "seed": (0, 2**63 - 1), "dist_timeout": (1e-3, TEN_YEARS_S),
     "num_workers": (0, 256), "log_every": (1, INT_LIMIT), "ckpt_every": (0, INT_LIMIT),
     "keep_last": (0, 2**31), "max_consecutive_skips": (0, INT_LIMIT), "check_sync_every": (0, INT_LIMIT),
-    "preempt_check_s": (1e-3, TEN_YEARS_S), "eval_every": (0, INT_LIMIT),
+    "preempt_check_s": (1e-12, TEN_YEARS_S), "eval_every": (0, INT_LIMIT),
 }
 
 

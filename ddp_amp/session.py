@@ -37,8 +37,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_amp import checkpoint
 from ddp_amp.amp import (AgreedGradScaler, AutocastModule, Precision, StepResult, amp_step, resolve_precision,
                          scaled_backward, unwrap_model, wrap_model)
-from ddp_amp.dist import (BackendChoice, DeviceChoice, DistContext, all_gather_objects, init_distributed,
-                          on_every_rank, release_ddp, shutdown_distributed, to_device)
+from ddp_amp.dist import (BackendChoice, DeviceChoice, DistContext, PeerFailureWatch, agreed_origin,
+                          all_gather_objects, announce_failure, init_distributed, on_every_rank, release_ddp,
+                          shutdown_distributed, to_device)
 from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import check_rank_sync
@@ -66,6 +67,7 @@ class Session:
         self._scaler: AgreedGradScaler | None = None
         self._ddp_refs: list[weakref.ref[DDP]] = []
         self._owns_group = False
+        self._watch: PeerFailureWatch | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -88,12 +90,24 @@ class Session:
             raise
         self._owns_group = owns_group
         self._ctx = ctx
+        # A peer whose exception leaves its session block ends this process too (failure.py).
+        self._watch = PeerFailureWatch(ctx.store if ctx.world_size > 1 else None, ctx.rank).start()
         log.debug("session: rank %d/%d on %s, %s (%s)", ctx.rank, ctx.world_size, ctx.device,
                   self._precision.name, self._precision.reason)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        """Leave the group; an exception of this rank alone ends the other ranks within seconds.
+
+        Its peers would otherwise wait in their next collective until the timeout: the
+        failure is published in the group's store, where their watch threads find it. The
+        traceback is printed first (a launcher may stop this process as soon as a peer
+        ends), and not again if the exception reaches the top of the program.
+        """
+        ctx = self._ctx
+        if isinstance(exc, Exception) and agreed_origin(exc) is None and ctx is not None:
+            announce_failure(exc, ctx.store, ctx.rank)
         self.close()
 
     def close(self) -> None:
@@ -104,6 +118,9 @@ class Session:
         if self._ctx is None:
             return
         self._ctx = None
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         refs, self._ddp_refs = self._ddp_refs, []
         if not self._owns_group:
             return

@@ -19,7 +19,8 @@ from typing import Any
 from ddp_amp.amp import Precision, resolve_precision
 from ddp_amp.checkpoint import checkpoint_root, ensure_writable
 from ddp_amp.config import TrainConfig, parse_config
-from ddp_amp.dist import DistContext, init_distributed, shutdown_distributed
+from ddp_amp.dist import (DistContext, PeerFailureWatch, agreed_origin, init_distributed, on_every_rank,
+                          publish_failure, published_failure, shutdown_distributed)
 from ddp_amp.env import detect_env
 from ddp_amp.errors import TrainingHalted, UsageError
 from ddp_amp.guards import EXIT_PREEMPTED
@@ -41,7 +42,8 @@ def train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     group torn down under a live DDP reducer can abort the process).
     """
     precision = resolve_precision(config.precision, ctx.device)
-    task = prepare_task(config, ctx)  # bad batch sizes and tasks fail before anything is written
+    # A task that fails to build on some ranks only fails on every rank, with its message.
+    task = on_every_rank(lambda: prepare_task(config, ctx))  # before anything is written
     run_dir = run_directory(config, ctx)
     explicit = plan_resume(config, run_dir) if config.resume not in ("auto", "none") else None
     lock = lock_run_directory(run_dir, ctx)  # a second job on this directory stops here
@@ -93,31 +95,60 @@ def main(argv: list[str] | None = None) -> int:
         rank = env.rank
         config = parse_config(argv)
         ctx = init_distributed(env, config.device, config.backend, config.dist_timeout)  # type: ignore[arg-type]
-        try:
-            summary = train(config, ctx)
-        finally:
-            shutdown_distributed()
-        return EXIT_PREEMPTED if summary.get("preempted") else 0
     except UsageError as error:
         if debug:
             raise
-        if rank == 0:  # every rank parsed the same input; one line is enough
+        if rank == 0:  # every rank read the same input: one line is enough
             print(f"ddp_amp: error: {error}", file=sys.stderr)
         return 2
-    except TrainingHalted as error:
-        if debug:
-            raise
-        if rank == 0:  # raised on every rank together with the same diagnosis
-            print(f"ddp_amp: stopped: {error}", file=sys.stderr)
-        return 1
+    watch = PeerFailureWatch(ctx.store, rank).start()
+    try:
+        summary = train(config, ctx)
+        return EXIT_PREEMPTED if summary.get("preempted") else 0
     except KeyboardInterrupt:
         return 130
-    except Exception as error:  # noqa: BLE001 - a one-line report, the traceback on --debug
+    except Exception as error:  # noqa: BLE001 - one line, once, the traceback on --debug
+        return _report(error, ctx, debug)
+    finally:
+        watch.stop()
+        shutdown_distributed()
+
+
+def _report(error: Exception, ctx: DistContext, debug: bool) -> int:
+    """Print a failure once for the whole job; the exit code for it.
+
+    An error every rank raised together (an agreed one, or a safety stop) is printed by rank
+    0. An error of this rank alone is published for the peers, whose watch then ends them,
+    and printed here, unless another rank's failure was published first: then this one is
+    its consequence (a peer vanished mid-collective) and the message was already shown.
+    """
+    code = 2 if isinstance(error, UsageError) else 1
+    origin = 0 if isinstance(error, TrainingHalted) else agreed_origin(error)
+    if origin is not None:  # raised on every rank together: rank 0 prints it
         if debug:
-            raise
-        print(f"ddp_amp: rank {rank}: {type(error).__name__}: {error} (rerun with --debug for "
-              "the traceback)", file=sys.stderr)
-        return 1
+            raise error
+        if ctx.rank == 0:
+            print(_failure_line(error, origin), file=sys.stderr, flush=True)
+        return code
+    earlier = published_failure(ctx.store)
+    if earlier is not None and earlier.get("rank") != ctx.rank and not debug:
+        return code  # a consequence of a peer's failure, whose message was shown
+    line = _failure_line(error, ctx.rank)
+    publish_failure(ctx.store, ctx.rank, line)
+    if debug:
+        raise error
+    print(line, file=sys.stderr, flush=True)
+    return code
+
+
+def _failure_line(error: Exception, origin: int) -> str:
+    where = f" (on rank {origin})" if origin else ""
+    if isinstance(error, UsageError):
+        return f"ddp_amp: error: {error}{where}"
+    if isinstance(error, TrainingHalted):
+        return f"ddp_amp: stopped: {error}"
+    return (f"ddp_amp: rank {origin}: {type(error).__name__}: {error} (rerun with --debug for the "
+            "traceback)")
 
 
 if __name__ == "__main__":

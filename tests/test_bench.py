@@ -50,7 +50,7 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tmp_path: Path) -> Non
     for trial in ("fp32", "fp16", "bf16"):
         assert f"\n{trial} " in text, trial
     assert "trainer / hand-written recipe:" in text and "IQR" in text
-    assert "agreed overflow decision" in text and "pinned non-blocking H2D copy" in text
+    assert "Agreed overflow decision" in text and "agreed / unagreed" in text and "pinned non-blocking H2D copy" in text
 
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["torch"] == __import__("torch").__version__

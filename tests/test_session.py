@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,12 @@ def test_a_second_backward_through_ddp_is_refused_and_drift_is_caught() -> None:
     # with the fix, both ranks stepped on the same reduced gradients (before rank 1's drift)
     differ = (rank0["params"] - rank1["params"]).abs()
     assert differ.max().item() == 1.0 and (differ > 0).sum().item() == 1
+
+
+def test_an_exception_leaving_one_ranks_session_ends_the_other_within_seconds() -> None:
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(REPO_ROOT / "tests/scripts/session_one_rank_raises.py")], capture_output=True,
+                            text=True, timeout=120, env=cli_env(DDP_AMP_UNUSED="1"))
+    assert result.returncode != 0 and time.monotonic() - started < 30, result.stderr[-3000:]
+    assert result.stderr.count("RuntimeError: planted failure in rank 1's own loop") == 1  # printed once

@@ -5,20 +5,23 @@
 - `collectives`: all-reduce and object collectives, and the agreement primitives
   `on_rank_zero` (rank 0 does it, every rank learns the outcome) and `on_every_rank`;
 - `ddp`: the one DDP wrap, its comm hook, and releasing it before teardown;
+- `failure`: an error on one rank ends every rank within seconds, printed once;
 - `spawn`: N local processes that form a group (benchmarks and multi-rank tests).
 
 Imports only `env` and `errors` from ddp_amp.
 """
 
-from ddp_amp.dist.collectives import (all_gather_objects, all_reduce_, broadcast_object, has_peers,
-                                      on_every_rank, on_rank_zero)
+from ddp_amp.dist.collectives import (agreed_origin, all_gather_objects, all_reduce_, broadcast_object,
+                                      has_peers, on_every_rank, on_rank_zero)
 from ddp_amp.dist.ddp import CommHook, comm_hook, release_ddp, wrap_ddp
 from ddp_amp.dist.device import DeviceChoice, resolve_device, to_device
+from ddp_amp.dist.failure import PeerFailureWatch, announce_failure, publish_failure, published_failure
 from ddp_amp.dist.group import (BackendChoice, DistContext, distributed, init_distributed,
                                 resolve_backend, shutdown_distributed)
 
 __all__ = [
-    "BackendChoice", "CommHook", "DeviceChoice", "DistContext", "all_gather_objects", "all_reduce_",
+    "BackendChoice", "CommHook", "DeviceChoice", "DistContext", "PeerFailureWatch", "agreed_origin",
+    "all_gather_objects", "all_reduce_", "announce_failure", "publish_failure", "published_failure",
     "broadcast_object", "comm_hook", "distributed", "has_peers",
     "init_distributed", "on_every_rank", "on_rank_zero", "release_ddp",
     "resolve_backend", "resolve_device", "shutdown_distributed", "to_device", "wrap_ddp",

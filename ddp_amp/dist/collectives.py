@@ -53,6 +53,20 @@ def all_gather_objects(obj: object) -> list[object]:
     return gathered
 
 
+def agreed_origin(error: BaseException) -> int | None:
+    """The rank an agreed error came from (every rank raised it together), or None."""
+    return getattr(error, "ddp_amp_origin_rank", None)
+
+
+def _agreed(error: BaseException, origin: int) -> BaseException:
+    """Mark `error` as raised on every rank together, first on rank `origin`."""
+    try:
+        error.ddp_amp_origin_rank = origin  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type without a __dict__
+        pass
+    return error
+
+
 def _portable(error: BaseException) -> BaseException:
     """`error` itself if it survives pickling, else a RuntimeError that carries its text."""
     try:
@@ -86,10 +100,10 @@ def on_rank_zero(work: Callable[[], T]) -> T:
     payload, local_error = _outcome_bytes(work) if dist.get_rank() == 0 else (b"", None)
     payload = broadcast_object(payload)  # type: ignore[assignment]
     if local_error is not None:
-        raise local_error
+        raise _agreed(local_error, 0)
     status, value = pickle.loads(payload)
     if status == "error":
-        raise value
+        raise _agreed(value, 0)
     return value  # type: ignore[no-any-return]
 
 
@@ -108,9 +122,10 @@ def on_every_rank(work: Callable[[], T]) -> T:
             raise local_error
         return result  # type: ignore[return-value]
     failure = _portable(local_error) if local_error is not None else None
-    failures = [f for f in all_gather_objects(failure) if f is not None]
+    failures = [(rank, f) for rank, f in enumerate(all_gather_objects(failure)) if f is not None]
     if local_error is not None:
-        raise local_error
+        raise _agreed(local_error, dist.get_rank())
     if failures:
-        raise failures[0]  # type: ignore[misc]
+        origin, first = failures[0]
+        raise _agreed(first, origin)  # type: ignore[arg-type]
     return result  # type: ignore[return-value]

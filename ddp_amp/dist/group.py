@@ -11,7 +11,7 @@ import gc
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal
 
@@ -34,6 +34,9 @@ class DistContext:
     env: DistEnv
     device: torch.device
     backend: str | None  # None: no process group (a world of one)
+    # The group's key-value store (this attempt's prefix), where a failing rank leaves its
+    # error for the others (failure.py); None without a group of several ranks.
+    store: dist.Store | None = field(default=None, compare=False, repr=False)
 
     @property
     def rank(self) -> int:
@@ -86,13 +89,21 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
         return DistContext(env, torch_device, None)
     chosen = resolve_backend(backend, torch_device)
     if dist.is_initialized():  # idempotent: a user's script may have joined already
-        return DistContext(env, torch_device, dist.get_backend())
+        return DistContext(env, torch_device, dist.get_backend(), _default_store())
     timeout = timedelta(seconds=timeout_s)
     # A group of one needs no rendezvous: an in-memory store, no port to claim.
     store = _open_store(env, timeout) if env.is_distributed else dist.HashStore()
     dist.init_process_group(chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     log.debug("rank %d joined %s group of %d", env.rank, chosen, env.world_size)
-    return DistContext(env, torch_device, chosen)
+    return DistContext(env, torch_device, chosen, store if env.is_distributed else None)
+
+
+def _default_store() -> dist.Store | None:
+    """The store of a group someone else made, where torch exposes it."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError):
+        return None
 
 
 def shutdown_distributed() -> None:

@@ -2,6 +2,7 @@
 rank-consistency guard, preemption signals, and `RunWatch`, which runs them on the loop's
 cadence.
 
+- `finite`: no checkpoint is written from non-finite weights (bf16/fp32 NaN steps);
 - `forensics`: after a skipped fp16 step, which rank's gradients went non-finite, where;
 - `loss_scale`: stop a run whose fp16 loss scaling collapses, or whose loss is non-finite;
 - `rank_sync`: do all ranks still hold the same model, scaler state and step;
@@ -13,6 +14,7 @@ Imports `amp`, `dist`, `metrics`, `errors`; never `checkpoint` (a stop is handed
 as a function) or anything above.
 """
 
+from ddp_amp.guards.finite import FiniteStateGuard
 from ddp_amp.guards.forensics import OverflowProbe, describe
 from ddp_amp.guards.loss_scale import LossScaleGuard, check_loss_finite
 from ddp_amp.guards.preemption import (EXIT_PREEMPTED, PreemptionWatch, parse_signals, requeue_slurm_job,
@@ -21,7 +23,7 @@ from ddp_amp.guards.rank_sync import check_rank_sync, fingerprint
 from ddp_amp.guards.watch import RunWatch, WatchOptions
 
 __all__ = [
-    "EXIT_PREEMPTED", "LossScaleGuard", "OverflowProbe", "PreemptionWatch", "RunWatch", "WatchOptions",
+    "EXIT_PREEMPTED", "FiniteStateGuard", "LossScaleGuard", "OverflowProbe", "PreemptionWatch", "RunWatch", "WatchOptions",
     "check_loss_finite", "check_rank_sync", "describe", "fingerprint", "parse_signals",
     "requeue_slurm_job", "stop_for_preemption", "worker_ignores",
 ]

@@ -4,7 +4,8 @@
   `QuietRunLog` (other ranks: warnings only), so no caller writes `if rank == 0`;
 - `progress`: the terminal progress bar.
 
-Imports `durable` and `errors` from ddp_amp, nothing above. Plots of a finished run are
+Imports `dist`, `durable` and `errors` from ddp_amp, nothing above; its writes to the run
+directory go through `dist.on_rank_zero`. Plots of a finished run are
 the `ddp_amp.report` entry point.
 """
 

@@ -1,7 +1,12 @@
 """All rank-0 side effects in one place: console lines, config.json, metrics.jsonl, summary.
 
-Rank 0 gets a `RunLog`; every other rank a `QuietRunLog` whose calls do nothing except
-`warn`, so the trainer never writes `if rank == 0`. Records are plain dicts of numbers.
+Rank 0 gets a `RunLog`; every other rank a `QuietRunLog` that prints only warnings, so the
+trainer never writes `if rank == 0`. Records are plain dicts of numbers. Every write to the
+run directory goes through `dist.on_rank_zero`: rank 0 writes and every rank learns whether
+it worked, so a failed write (a full disk, a bad record) stops every rank with its message
+instead of leaving the others waiting in their next collective. That makes `metrics`,
+`event`, `write_json`, `rewind_to` and `summary` collective: every rank calls them at the
+same points, as the trainer does.
 
 Progress: on a terminal rank 0 shows a tqdm bar (progress.py); elsewhere it prints
 one plain line per logged step. metrics.jsonl holds one object per logged step, event
@@ -21,6 +26,7 @@ from typing import Any, TextIO
 import psutil
 import torch
 
+from ddp_amp.dist import on_rank_zero
 from ddp_amp.durable import write_atomic
 from ddp_amp.metrics.progress import ProgressBar
 
@@ -54,8 +60,7 @@ class RunLog:
         # A bar only where someone watches: a terminal. Logs and pipes get plain lines.
         self.use_bar = self.stream.isatty() if bar is None else bar
         self._bar: ProgressBar | None = None
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._metrics: TextIO | None = None  # opened by the first write, on rank 0
 
     def info(self, message: str) -> None:
         if self._bar is not None:
@@ -74,19 +79,25 @@ class RunLog:
             self._bar.advance(steps)
 
     def event(self, record: dict[str, Any], message: str) -> None:
-        """A notable event (e.g. an overflow report): appended to metrics.jsonl and printed."""
-        self._append(record)
+        """A notable event (e.g. an overflow report): appended to metrics.jsonl and printed (collective)."""
+        on_rank_zero(lambda: self._append(record))
         self.info(message)
 
     def rewind_to(self, step: int) -> int:
         """Drop metrics.jsonl records past `step` (and summaries); returns how many were dropped.
 
-        Call after resuming from a checkpoint at `step` (0 for a fresh start), before
+        Call after resuming from a checkpoint at `step` (-1 for a fresh start), before
         logging: the steps after it are replayed and logged again. The file is rewritten
         atomically, so a crash here leaves the old or the new file, never half of one.
+        Collective: every rank gets rank 0's count.
         """
+        return on_rank_zero(lambda: self._rewind(step))
+
+    def _rewind(self, step: int) -> int:
         path = self.run_dir / "metrics.jsonl"
-        self._metrics.close()
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         kept, dropped = [], 0
         for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
             try:
@@ -100,10 +111,12 @@ class RunLog:
             kept.append(line + "\n")
         if dropped:
             write_atomic(path, "".join(kept))
-        self._metrics = open(path, "a", encoding="utf-8")
         return dropped
 
     def _append(self, record: dict[str, Any]) -> None:
+        if self._metrics is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
 
@@ -114,21 +127,29 @@ class RunLog:
             print(f"[ddp_amp] warning: {message}", file=sys.stderr, flush=True)
 
     def write_json(self, name: str, payload: dict[str, Any]) -> None:
-        """Write run_dir/name atomically (temporary file, then rename)."""
+        """Write run_dir/name atomically (temporary file, then rename); collective."""
+        on_rank_zero(lambda: self._write_json(name, payload))
+
+    def _write_json(self, name: str, payload: dict[str, Any]) -> None:
         write_atomic(self.run_dir / name, json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
 
     def metrics(self, record: dict[str, Any]) -> None:
-        """One logged step: appended to metrics.jsonl; shown on the bar, else printed as a line."""
-        self._append(record)
+        """One logged step: appended to metrics.jsonl (collective); on the bar, else a line."""
+        on_rank_zero(lambda: self._append(record))
         if self._bar is not None:
             self._bar.show(record)
         else:
             self.info(_format(record))
 
     def summary(self, record: dict[str, Any]) -> None:
+        """The run's final record: summary.json and the last line of metrics.jsonl (collective)."""
         self._close_bar()
-        self.write_json("summary.json", record)
-        self._append({"summary": record})
+
+        def write() -> None:
+            self._write_json("summary.json", record)
+            self._append({"summary": record})
+
+        on_rank_zero(write)
         self.info("summary: " + _format(record))
 
     def _close_bar(self) -> None:
@@ -138,14 +159,22 @@ class RunLog:
 
     def close(self) -> None:
         self._close_bar()
-        self._metrics.close()
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
 
 
 class QuietRunLog(RunLog):
-    """What ranks other than 0 get: silent, except for warnings tagged with the rank."""
+    """What ranks other than 0 get: silent, except for warnings tagged with the rank.
+
+    It joins the collective writes of `RunLog` (rank 0 does them); its own part of each is
+    nothing, also where it runs as the only process.
+    """
 
     def __init__(self, rank: int) -> None:  # noqa: D107 - no files, no stream
         self.rank = rank
+        self._bar = None
+        self._metrics = None
 
     def info(self, message: str) -> None:
         pass
@@ -153,29 +182,17 @@ class QuietRunLog(RunLog):
     def warn(self, message: str) -> None:
         print(f"[ddp_amp rank {self.rank}] warning: {message}", file=sys.stderr, flush=True)
 
-    def write_json(self, name: str, payload: dict[str, Any]) -> None:
-        pass
-
-    def metrics(self, record: dict[str, Any]) -> None:
-        pass
-
     def start_progress(self, total: int, initial: int = 0) -> None:
         pass
 
-    def advance(self, steps: int = 1) -> None:
+    def _append(self, record: dict[str, Any]) -> None:
         pass
 
-    def event(self, record: dict[str, Any], message: str) -> None:
+    def _write_json(self, name: str, payload: dict[str, Any]) -> None:
         pass
 
-    def rewind_to(self, step: int) -> int:
+    def _rewind(self, step: int) -> int:
         return 0
-
-    def summary(self, record: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def make_run_log(rank: int, run_dir: Path) -> RunLog:

@@ -1,0 +1,102 @@
+"""An error on one rank ends every rank within seconds, and its message is printed once.
+
+A rank that fails alone (its task code raised, it ran out of memory) leaves its peers
+blocked in their next collective: gloo notices a vanished peer, NCCL waits until its
+timeout (`--dist-timeout`, 600 s by default). So:
+- the failing rank publishes its message in the group's store (`publish_failure`) before
+  it exits, and prints it;
+- every rank runs a `PeerFailureWatch` while it trains: a thread that looks in the store
+  twice a second and, once another rank's failure is there, ends this process at once
+  (exit 1) without a message of its own, even while it is blocked in a collective;
+- a rank whose own call failed because a peer vanished reads the store before printing
+  (`published_failure`): a failure published by another rank was already shown.
+The store is the per-attempt one, so a torchrun restart starts with no failure recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import traceback
+from types import TracebackType
+from typing import Any
+
+import torch.distributed as dist
+
+FAILURE_KEY = "ddp_amp/failure"
+EXIT_PEER_FAILED = 1
+
+
+def publish_failure(store: dist.Store | None, rank: int, message: str) -> None:
+    """Record this rank's failure for its peers; never raises (the store may be gone)."""
+    if store is None:
+        return
+    try:
+        store.set(FAILURE_KEY, json.dumps({"rank": rank, "message": message}))
+    except Exception:  # noqa: BLE001 - a dead store: the peers learn from the broken group
+        pass
+
+
+def published_failure(store: dist.Store | None) -> dict[str, Any] | None:
+    """The failure a rank published, or None (also where the store cannot be reached)."""
+    if store is None:
+        return None
+    try:
+        if store.check([FAILURE_KEY]):
+            return json.loads(store.get(FAILURE_KEY))  # type: ignore[no-any-return]
+    except Exception:  # noqa: BLE001 - a dead store tells nothing
+        return None
+    return None
+
+
+def announce_failure(error: BaseException, store: dist.Store | None, rank: int) -> None:
+    """Print this rank's error with its traceback, then publish it for the peers.
+
+    Printed first, because a launcher may stop this process as soon as a peer ends; and
+    not again if the exception reaches the top of the program (the interpreter's last
+    handler skips it). Without a store (no peers) nothing is needed: Python prints it.
+    """
+    if store is None:
+        return
+    print(f"[ddp_amp rank {rank}] this rank failed; its peers are being stopped:", file=sys.stderr)
+    traceback.print_exception(error, file=sys.stderr)
+    sys.stderr.flush()
+    previous = sys.excepthook
+
+    def skip_this_one(kind: type[BaseException], value: BaseException, trace: TracebackType | None) -> None:
+        if value is not error:
+            previous(kind, value, trace)
+
+    sys.excepthook = skip_this_one
+    publish_failure(store, rank, f"rank {rank}: {type(error).__name__}: {error}")
+
+
+class PeerFailureWatch:
+    """A daemon thread that ends this process once another rank has published a failure."""
+
+    def __init__(self, store: dist.Store | None, rank: int, interval_s: float = 0.5) -> None:
+        self.store, self.rank, self.interval_s = store, rank, interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> PeerFailureWatch:
+        if self.store is not None:
+            self._thread = threading.Thread(target=self._watch, name="ddp_amp-peer-failure", daemon=True)
+            self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            failure = published_failure(self.store)
+            if failure is not None and failure.get("rank") != self.rank:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(EXIT_PEER_FAILED)  # the main thread may be blocked in a collective
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
