@@ -12,12 +12,13 @@ import dataclasses
 import difflib
 import math
 import re
+import signal
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from ddp_amp.amp import PRECISION_CHOICES, LossScaleOptions
 from ddp_amp.errors import UsageError
-from ddp_amp.guards import WatchOptions
+from ddp_amp.guards import WatchOptions, parse_signals
 
 
 # What a resume does when a field differs from the value the checkpoint was saved with:
@@ -99,11 +100,16 @@ class TrainConfig:
     check_sync_every: int = _opt(0, "every N steps compare a fingerprint of parameters, scaler state "
                                  "and step across ranks and stop if they differ (0 = only after a resume)")
     # --- preemption (ddp_amp/guards/preemption.py): signal -> agreed stop -> checkpoint -> requeue ---
-    preempt_signal: str = _opt("USR1,TERM", "signals that mean 'checkpoint and stop at the next "
-                               "agreed step' (comma list of USR1, USR2, TERM, INT, HUP, QUIT, or "
-                               "none); match SLURM's --signal and torchrun's --signals-to-handle")
+    preempt_signal: str = _opt("USR1", "signals that mean 'checkpoint at the next agreed step, then "
+                               "requeue' (exit 75): what SLURM sends before a time limit with "
+                               "--signal=B:USR1@<s>. Comma list of USR1, USR2, TERM, INT, HUP, QUIT, or none")
+    stop_signal: str = _opt("TERM", "signals that mean 'checkpoint if possible, then exit without a "
+                            "requeue' (exit 128 + the signal): scancel sends TERM, so a cancelled job "
+                            "stays cancelled. Same list as --preempt-signal, none of the same signals")
     preempt_check_s: float = _opt(2.0, "seconds of training between the cross-rank checks of the "
                                   "preemption flag (each check is one tiny all-reduce)")
+    max_requeues: int = _opt(20, "requeue a preempted SLURM job at most this many times (its "
+                             "SLURM_RESTART_COUNT); then stop with the checkpoint and say so")
     preempt_requeue: str = _opt("auto", "after a preemption stop: auto (rank 0 runs `scontrol "
                                 "requeue $SLURM_JOB_ID` under SLURM) or never", ("auto", "never"))
 
@@ -126,6 +132,7 @@ class TrainConfig:
         for name, (low, high) in NUMBER_LIMITS.items():
             check_number(flag_of(name), getattr(self, name), low, high)
         self.loss_scale_options().validate()
+        self.signals()
         for item in self.task_opt:
             if "=" not in item:
                 raise UsageError("--task-opt", item, "KEY=VALUE", "e.g. --task-opt hidden=256")
@@ -151,6 +158,16 @@ class TrainConfig:
         """`--allow-change` as field names (`--task-opt` and `task-opt` mean `task_opt`)."""
         names = (item.strip().removeprefix("--").replace("-", "_") for item in self.allow_change.split(","))
         return tuple(name for name in names if name)
+
+    def signals(self) -> tuple[tuple[signal.Signals, ...], tuple[signal.Signals, ...]]:
+        """(requeue signals, stop signals), parsed; one signal cannot mean both."""
+        requeue = parse_signals(self.preempt_signal, "--preempt-signal")
+        stop = parse_signals(self.stop_signal, "--stop-signal")
+        both = sorted(s.name for s in set(requeue) & set(stop))
+        if both:
+            raise UsageError("--stop-signal", self.stop_signal, "signals not also in --preempt-signal",
+                             f"{', '.join(both)} cannot mean both requeue and stop; drop it from one")
+        return requeue, stop
 
     def loss_scale_options(self) -> LossScaleOptions:
         """The `--loss-scale-*` settings, as the amp layer takes them."""
@@ -192,7 +209,7 @@ NUMBER_LIMITS: dict[str, tuple[float, float]] = {
     "clip_grad_norm": (0, 1e12), "seed": (0, 2**63 - 1), "dist_timeout": (1e-3, TEN_YEARS_S),
     "num_workers": (0, 256), "log_every": (1, INT_LIMIT), "ckpt_every": (0, INT_LIMIT),
     "keep_last": (0, 2**31), "max_consecutive_skips": (0, INT_LIMIT), "check_sync_every": (0, INT_LIMIT),
-    "preempt_check_s": (1e-12, TEN_YEARS_S), "eval_every": (0, INT_LIMIT),
+    "preempt_check_s": (1e-12, TEN_YEARS_S), "eval_every": (0, INT_LIMIT), "max_requeues": (0, 10**6),
 }
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ddp_amp.config import TrainConfig
 from ddp_amp.dist import (DistContext, all_gather_objects, all_reduce_, init_distributed,
                           resolve_backend, resolve_device, shutdown_distributed)
 from ddp_amp.env import DistEnv, detect_env, launched_by_srun, launched_by_torchrun
@@ -94,6 +95,14 @@ def check_gpus(env: DistEnv, environ: Mapping[str, str], gpu_count: int) -> list
     return [("ok", f"{per_node} processes for {gpu_count} GPUs on this node")]
 
 
+def signal_meanings(config: TrainConfig) -> str:
+    """What each handled signal makes ddp_amp.train do, with its defaults."""
+    requeue, stop = config.signals()
+    names = (lambda signums: ",".join(s.name.removeprefix("SIG") for s in signums) or "none")
+    return (f"{names(requeue)}: checkpoint + requeue, exit 75 (--preempt-signal); "
+            f"{names(stop)}: checkpoint + stop, no requeue, exit 128+N (--stop-signal)")
+
+
 def diagnose(environ: Mapping[str, str], device: str = "auto", backend: str = "auto"
              ) -> tuple[DistEnv | None, dict[str, Any], list[Finding]]:
     """Resolve the environment as `ddp_amp.train` would; (env, facts, findings). Pure of side effects."""
@@ -108,6 +117,7 @@ def diagnose(environ: Mapping[str, str], device: str = "auto", backend: str = "a
         "world_size": env.world_size, "local_world_size": env.local_world_size,
         "node_rank": env.node_rank, "master": f"{env.master_addr}:{env.master_port}",
         "restart_count": env.restart_count, "host": socket.gethostname(), "gpus_visible": gpus,
+        "signals": signal_meanings(TrainConfig()),
     }
     try:
         chosen = resolve_device(device, env, backend)  # type: ignore[arg-type]

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 
-class UsageError(Exception):
-    """Bad input from the user: a flag, an environment variable, a task, a checkpoint.
-
-    The CLI prints it as one line and exits with code 2; library callers can catch it.
-    """
+class OneLineError(Exception):
+    """An error whose message names the value, what was expected and a hint, on one line."""
 
     def __init__(self, what: str, value: object, expected: str, hint: str) -> None:
         self.what = what
@@ -16,10 +13,22 @@ class UsageError(Exception):
         self.hint = hint
         super().__init__(f"{what}={value!r}: expected {expected} (hint: {hint})")
 
-    def __reduce__(self) -> tuple[type[UsageError], tuple[str, object, str, str]]:
+    def __reduce__(self) -> tuple[type[OneLineError], tuple[str, object, str, str]]:
         # Exceptions pickle their `args` (here the one formatted message), which this
         # __init__ cannot take back; the four fields can. Errors cross ranks pickled.
         return type(self), (self.what, self.value, self.expected, self.hint)
+
+
+class UsageError(OneLineError):
+    """Bad input from the user: a flag, an environment variable, a task, a checkpoint.
+
+    The CLI prints it as one line and exits with code 2; library callers can catch it.
+    """
+
+
+class CheckpointError(OneLineError):
+    """A checkpoint could not be written (a full disk, a read-only directory); every older
+    checkpoint is still in place. Not the user's input: the CLI exits with code 3."""
 
 
 class TrainingHalted(RuntimeError):

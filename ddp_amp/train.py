@@ -5,8 +5,10 @@
     srun --ntasks-per-node=4 python -m ddp_amp.train          # inside an allocation
     python -m ddp_amp.train --help                            # every option
 
-Exit codes: 0 done, 2 bad input (one line on stderr; --debug adds the traceback), 75
-stopped early by a preemption signal (checkpointed; requeued under SLURM), 1 any other failure.
+Exit codes: 0 done; 1 a failure (a rank's error, a safety stop); 2 bad input (one line on
+stderr; --debug adds the traceback); 3 a checkpoint could not be written (older ones are
+kept); 75 stopped by a requeue signal with the checkpoint committed (requeued under SLURM);
+128 + N stopped by stop signal N (143 for TERM: scancel) with the checkpoint committed.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from ddp_amp.config import TrainConfig, parse_config
 from ddp_amp.dist import (DistContext, PeerFailureWatch, agreed_origin, init_distributed, on_every_rank,
                           publish_failure, published_failure, shutdown_distributed)
 from ddp_amp.env import detect_env
-from ddp_amp.errors import TrainingHalted, UsageError
-from ddp_amp.guards import EXIT_PREEMPTED
+from ddp_amp.errors import CheckpointError, TrainingHalted, UsageError
+from ddp_amp.guards import exit_code_for
 from ddp_amp.metrics import make_run_log
 from ddp_amp.tasks import Task
 from ddp_amp.trainer import build_trainer, prepare_task
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     watch = PeerFailureWatch(ctx.store, rank).start()
     try:
         summary = train(config, ctx)
-        return EXIT_PREEMPTED if summary.get("preempted") else 0
+        return exit_code_for(summary) if summary.get("preempted") else 0
     except KeyboardInterrupt:
         return 130
     except Exception as error:  # noqa: BLE001 - one line, once, the traceback on --debug
@@ -122,7 +124,7 @@ def _report(error: Exception, ctx: DistContext, debug: bool) -> int:
     and printed here, unless another rank's failure was published first: then this one is
     its consequence (a peer vanished mid-collective) and the message was already shown.
     """
-    code = 2 if isinstance(error, UsageError) else 1
+    code = 2 if isinstance(error, UsageError) else 3 if isinstance(error, CheckpointError) else 1
     origin = 0 if isinstance(error, TrainingHalted) else agreed_origin(error)
     if origin is not None:  # raised on every rank together: rank 0 prints it
         if debug:
@@ -147,6 +149,8 @@ def _failure_line(error: Exception, origin: int) -> str:
         return f"ddp_amp: error: {error}{where}"
     if isinstance(error, TrainingHalted):
         return f"ddp_amp: stopped: {error}"
+    if isinstance(error, CheckpointError):
+        return f"ddp_amp: checkpoint failed: {error}"
     return (f"ddp_amp: rank {origin}: {type(error).__name__}: {error} (rerun with --debug for the "
             "traceback)")
 

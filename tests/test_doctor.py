@@ -79,3 +79,9 @@ def test_on_slurm_the_batch_shell_is_flagged_and_srun_tasks_probe(slurm_cluster:
     assert info["JobState"] == "COMPLETED", out
     assert "but not started by srun" in out and "batch-shell-exit=1" in out
     assert "launcher          slurm" in out and "probe: all-reduce over 2 ranks (gloo)" in out, out
+
+
+def test_doctor_says_what_each_signal_does() -> None:
+    _, facts, _ = diagnose({})
+    assert facts["signals"] == ("USR1: checkpoint + requeue, exit 75 (--preempt-signal); "
+                                "TERM: checkpoint + stop, no requeue, exit 128+N (--stop-signal)")

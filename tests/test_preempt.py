@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.metrics import QuietRunLog
-from ddp_amp.guards import EXIT_PREEMPTED, parse_signals, requeue_slurm_job
+from ddp_amp.guards import EXIT_PREEMPTED, PreemptionWatch, parse_signals, requeue_slurm_job
 from ddp_amp.amp import resolve_precision
 from ddp_amp.tasks import load_task
 from ddp_amp.trainer import Trainer, seed_everything
@@ -99,12 +100,12 @@ def test_dataloader_workers_survive_the_signal(tmp_path: Path) -> None:
     try:
         _wait_for_metrics(tmp_path, proc)
         os.killpg(proc.pid, signal.SIGUSR1)
-        _, stderr = proc.communicate(timeout=120)
+        stdout, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == EXIT_PREEMPTED, stderr
-    assert "stopped at step" in stderr and "after SIGUSR1" in stderr, stderr
+    assert "stopped at step" in stdout and "after SIGUSR1" in stdout, stdout + stderr
     assert not (tmp_path / "summary.json").exists()  # a stopped run is not a finished run
 
 
@@ -119,3 +120,51 @@ def test_requeue_refused_by_slurm_is_reported(slurm_cluster: Cluster) -> None:
     os.environ["SLURM_CONF"] = str(slurm_cluster.conf)
     done, message = requeue_slurm_job({"SLURM_JOB_ID": "987654", "PATH": os.environ["PATH"]})
     assert not done and "refused" in message and "987654" in message, message
+
+
+def test_the_check_cadence_after_a_resume_is_measured_from_the_resumed_step() -> None:
+    watch = PreemptionWatch((signal.SIGUSR1,), torch.device("cpu"), check_s=0.05, distributed=True)
+    watch.install(step=5000)  # a run resumed at step 5000
+    try:
+        stopped_at = None
+        for step in range(5001, 5400):
+            time.sleep(0.002)
+            if step == 5010:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            if watch.should_stop(step):
+                stopped_at = step
+                break
+    finally:
+        watch.restore()
+    # ~0.05 s between checks at ~2 ms a step: the stop comes within a few dozen steps,
+    # not 10,000 steps later as when the cadence was measured from step 0.
+    assert stopped_at is not None and stopped_at < 5100, stopped_at
+    assert watch.stopped_by == "SIGUSR1" and watch.requeue
+
+
+def test_term_checkpoints_and_stops_without_requeue(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "ddp_amp.train", "--task", "mlp", "--device", "cpu",
+                             "--max-steps", "100000", "--log-every", "5", "--task-opt", "hidden=16",
+                             "--eval-every", "0", "--run-dir", str(tmp_path)],
+                            env=cli_env(SLURM_JOB_ID="4242", SLURM_RESTART_COUNT="0"), cwd=REPO_ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for_metrics(tmp_path, proc)
+        proc.send_signal(signal.SIGTERM)  # what scancel sends
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    record = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+              if '"preempted"' in line][-1]
+    assert record["action"] == "stop" and record["signal"] == "SIGTERM" and not record["requeued"]
+    assert record["checkpoint"] and Path(record["checkpoint"]).is_dir() and record["signal_to_commit_s"] >= 0
+    assert "SIGTERM means stop: not requeued" in stdout
+    assert [line for line in stdout.splitlines() if "stopped at step" in line] == [stdout.splitlines()[-1]]
+
+
+def test_signal_options_cannot_overlap() -> None:
+    with pytest.raises(UsageError, match="cannot mean both requeue and stop"):
+        TrainConfig(preempt_signal="USR1,TERM", stop_signal="TERM")
+    assert TrainConfig().signals() == ((signal.SIGUSR1,), (signal.SIGTERM,))

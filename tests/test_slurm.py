@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddp_amp.checkpoint import verify_checkpoint
 from tests.multiproc import REPO_ROOT, run_train
-from tests.slurm_cluster import Cluster, job_output, sbatch, wait_job
+from tests.slurm_cluster import Cluster, job_info, job_output, sbatch, wait_job
 
 TINY = ["--task", "mlp", "--device", "cpu", "--max-steps", "20", "--log-every", "10", "--task-opt", "hidden=32",
         "--task-opt", "samples=1024"]
@@ -84,3 +85,67 @@ def test_preempted_job_checkpoints_requeues_and_resumes_bitwise(slurm_cluster: C
     straight, resumed = _final_weights(tmp_path / "reference"), _final_weights(job_dir / "runs" / f"mlp-{job}")
     assert straight.keys() == resumed.keys()
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
+
+
+def _records(job_dir: Path, job: str) -> list[dict]:
+    metrics = job_dir / "runs" / f"mlp-{job}" / "metrics.jsonl"
+    if not metrics.exists():
+        return []
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def _wait_until(condition, what: str, timeout: float = 120) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.05)
+
+
+PREEMPTIBLE = [*TINY[:TINY.index("--max-steps")], *TINY[TINY.index("--task-opt"):], "--max-steps", "3000",
+               "--log-every", "25", "--preempt-check-s", "0.2"]
+
+
+def test_a_job_preempted_twice_resumes_bitwise(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    """USR1 before and again after the first requeue: both checkpoint and requeue, and the
+    job ends with the weights of an uninterrupted run."""
+    reference = run_train([*PREEMPTIBLE, "--run-dir", str(tmp_path / "reference")], nproc=2, timeout=300)
+    assert reference.returncode == 0, reference.stderr
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    job = sbatch(slurm_cluster, REPO_ROOT / "slurm" / "one_node.sbatch",
+                 ["--gpus-per-node=0", "--ntasks-per-node=2"], PREEMPTIBLE, job_dir)
+    for round_ in (1, 2):
+        def training() -> bool:
+            records = _records(job_dir, job)
+            stops = [r["step"] for r in records if r.get("event") == "preempted"]
+            logged = [r["step"] for r in records if "loss" in r]
+            return len(stops) == round_ - 1 and bool(logged) and (not stops or max(logged) > stops[-1])
+
+        _wait_until(training, f"training in round {round_}")
+        subprocess.run(["scancel", "--signal=USR1", job], env=slurm_cluster.env(), check=True, timeout=30)
+        _wait_until(lambda: sum(r.get("event") == "preempted" for r in _records(job_dir, job)) == round_,
+                    f"preemption {round_}")
+    info = wait_job(slurm_cluster, job, timeout=300)
+    out = job_output(job_dir)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", out
+    stops = [r for r in _records(job_dir, job) if r.get("event") == "preempted"]
+    assert [(r["action"], r["requeued"]) for r in stops] == [("requeue", True), ("requeue", True)], stops
+    assert stops[0]["step"] < stops[1]["step"] < 3000
+    straight, resumed = _final_weights(tmp_path / "reference"), _final_weights(job_dir / "runs" / f"mlp-{job}")
+    assert all(torch.equal(straight[name], resumed[name]) for name in straight)
+
+
+def test_scancel_cancels_a_requeue_job_after_its_checkpoint(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    job = sbatch(slurm_cluster, REPO_ROOT / "slurm" / "one_node.sbatch",
+                 ["--gpus-per-node=0", "--ntasks-per-node=2"], [*PREEMPTIBLE[:-6], "--max-steps", "100000",
+                                                               "--log-every", "25", "--preempt-check-s", "0.2"],
+                 tmp_path)
+    _wait_until(lambda: any("loss" in r for r in _records(tmp_path, job)), "training")
+    subprocess.run(["scancel", job], env=slurm_cluster.env(), check=True, timeout=30)  # plain: SIGTERM
+    info = wait_job(slurm_cluster, job, timeout=120)
+    time.sleep(8)  # a requeue would have brought it back by now (cred_expire=5)
+    info = job_info(slurm_cluster, job)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", (info, job_output(tmp_path))
+    stops = [r for r in _records(tmp_path, job) if r.get("event") == "preempted"]
+    assert len(stops) == 1 and stops[0]["action"] == "stop" and not stops[0]["requeued"], stops
+    verify_checkpoint(Path(tmp_path) / stops[0]["checkpoint"])

@@ -27,15 +27,11 @@ from ddp_amp.checkpoint.manifest import MANIFEST_NAME
 from ddp_amp.checkpoint.rng import gather_rng_states
 from ddp_amp.checkpoint.safe_types import check_loadable
 from ddp_amp.dist import on_rank_zero
-from ddp_amp.errors import UsageError
+from ddp_amp.errors import CheckpointError, UsageError
 from ddp_amp.version import __version__
 
 META_FILE, RNG_FILE = "meta.json", "rng.pt"
 _NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
-
-
-class CheckpointError(UsageError):
-    """A checkpoint could not be written; every older checkpoint is still in place."""
 
 
 @dataclass(frozen=True)

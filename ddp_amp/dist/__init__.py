@@ -12,7 +12,7 @@ Imports only `env` and `errors` from ddp_amp.
 """
 
 from ddp_amp.dist.collectives import (agreed_origin, all_gather_objects, all_reduce_, broadcast_object,
-                                      has_peers, on_every_rank, on_rank_zero)
+                                      has_peers, mark_agreed, on_every_rank, on_rank_zero)
 from ddp_amp.dist.ddp import CommHook, comm_hook, release_ddp, wrap_ddp
 from ddp_amp.dist.device import DeviceChoice, resolve_device, to_device
 from ddp_amp.dist.failure import PeerFailureWatch, announce_failure, publish_failure, published_failure
@@ -23,6 +23,6 @@ __all__ = [
     "BackendChoice", "CommHook", "DeviceChoice", "DistContext", "PeerFailureWatch", "agreed_origin",
     "all_gather_objects", "all_reduce_", "announce_failure", "publish_failure", "published_failure",
     "broadcast_object", "comm_hook", "distributed", "has_peers",
-    "init_distributed", "on_every_rank", "on_rank_zero", "release_ddp",
+    "init_distributed", "mark_agreed", "on_every_rank", "on_rank_zero", "release_ddp",
     "resolve_backend", "resolve_device", "shutdown_distributed", "to_device", "wrap_ddp",
 ]

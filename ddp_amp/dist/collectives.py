@@ -58,8 +58,8 @@ def agreed_origin(error: BaseException) -> int | None:
     return getattr(error, "ddp_amp_origin_rank", None)
 
 
-def _agreed(error: BaseException, origin: int) -> BaseException:
-    """Mark `error` as raised on every rank together, first on rank `origin`."""
+def mark_agreed(error: BaseException, origin: int) -> BaseException:
+    """Mark `error` as raised on every rank together, first on rank `origin`; returns it."""
     try:
         error.ddp_amp_origin_rank = origin  # type: ignore[attr-defined]
     except AttributeError:  # an exception type without a __dict__
@@ -100,10 +100,10 @@ def on_rank_zero(work: Callable[[], T]) -> T:
     payload, local_error = _outcome_bytes(work) if dist.get_rank() == 0 else (b"", None)
     payload = broadcast_object(payload)  # type: ignore[assignment]
     if local_error is not None:
-        raise _agreed(local_error, 0)
+        raise mark_agreed(local_error, 0)
     status, value = pickle.loads(payload)
     if status == "error":
-        raise _agreed(value, 0)
+        raise mark_agreed(value, 0)
     return value  # type: ignore[no-any-return]
 
 
@@ -124,8 +124,8 @@ def on_every_rank(work: Callable[[], T]) -> T:
     failure = _portable(local_error) if local_error is not None else None
     failures = [(rank, f) for rank, f in enumerate(all_gather_objects(failure)) if f is not None]
     if local_error is not None:
-        raise _agreed(local_error, dist.get_rank())
+        raise mark_agreed(local_error, dist.get_rank())
     if failures:
         origin, first = failures[0]
-        raise _agreed(first, origin)  # type: ignore[arg-type]
+        raise mark_agreed(first, origin)  # type: ignore[arg-type]
     return result  # type: ignore[return-value]

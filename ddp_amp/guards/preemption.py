@@ -41,7 +41,7 @@ MAX_CHECK_INTERVAL = 10_000
 _NAMES = ("USR1", "USR2", "TERM", "INT", "HUP", "QUIT")
 
 
-def parse_signals(spec: str) -> tuple[signal.Signals, ...]:
+def parse_signals(spec: str, flag: str = "--preempt-signal") -> tuple[signal.Signals, ...]:
     """'USR1,TERM' (or 'SIGUSR1,sigterm') -> the signals; 'none' -> no handling."""
     if spec.strip().lower() in ("", "none"):
         return ()
@@ -49,7 +49,7 @@ def parse_signals(spec: str) -> tuple[signal.Signals, ...]:
     for raw in spec.split(","):
         name = raw.strip().upper().removeprefix("SIG")
         if name not in _NAMES:
-            raise UsageError("--preempt-signal", raw.strip(), "a comma list of " + ", ".join(_NAMES)
+            raise UsageError(flag, raw.strip(), "a comma list of " + ", ".join(_NAMES)
                              + ", or none", "SLURM's --signal=USR1@120 needs USR1")
         found.append(signal.Signals[f"SIG{name}"])
     return tuple(dict.fromkeys(found))
@@ -73,15 +73,20 @@ class PreemptionWatch:
     """Signal flag + periodic cross-rank agreement. Use as a context manager around the loop."""
 
     def __init__(self, signums: tuple[signal.Signals, ...], device: torch.device,
-                 check_s: float = 2.0, distributed: bool = True) -> None:
+                 check_s: float = 2.0, distributed: bool = True,
+                 stop_signums: tuple[signal.Signals, ...] = ()) -> None:
         if check_s <= 0:
             raise UsageError("--preempt-check-s", check_s, "seconds > 0", "e.g. 2")
-        self.signums = signums
+        # `signums` ask for checkpoint + requeue, `stop_signums` for checkpoint + exit.
+        self.requeue_signums = signums
+        self.signums = tuple(dict.fromkeys(signums + stop_signums))
         self.device = device
         self.check_s = check_s
         self.distributed = distributed
         self.received: signal.Signals | None = None  # first signal seen on this rank
+        self.received_at = 0.0  # time.monotonic() when it came
         self.stopped_by: str = ""  # name of the signal that stopped the job (any rank's)
+        self.requeue = False  # whether that signal asks for a requeue
         self._previous: dict[int, Any] = {}
         self._next_check = 1
         self._last_step = 0
@@ -91,9 +96,16 @@ class PreemptionWatch:
         # Only a flag: the loop acts on it at the next agreed step boundary.
         if self.received is None:
             self.received = signal.Signals(signum)
+            self.received_at = time.monotonic()
 
-    def install(self) -> None:
-        """Install the handlers (only possible from the main thread; else a warning)."""
+    def install(self, step: int = 0) -> None:
+        """Install the handlers for a loop that starts at `step` (a resumed run's, say).
+
+        The check cadence is measured from `step`: measured from 0, a run resumed at step S
+        would see S steps done in no time and put its next check out of reach.
+        Only possible from the main thread; elsewhere a warning.
+        """
+        self._last_step, self._next_check = step, step + 1
         if threading.current_thread() is not threading.main_thread():
             log.warning("preemption signals not handled: not in the main thread")
             return
@@ -139,6 +151,7 @@ class PreemptionWatch:
     def _stopping(self, stop: bool, signum: signal.Signals | None) -> bool:
         if stop and signum is not None:
             self.stopped_by = signum.name
+            self.requeue = signum in self.requeue_signums
         return stop
 
 
@@ -166,24 +179,41 @@ def requeue_slurm_job(environ: Mapping[str, str], timeout_s: float = 30.0) -> tu
     return True, f"requeued SLURM job {job_id}; it resumes from the checkpoint when it restarts"
 
 
-def stop_for_preemption(save_checkpoint: Any, requeue: bool, step: int, signal_name: str,
-                        environ: Mapping[str, str], warn: Any) -> dict[str, Any]:
-    """Checkpoint, then (rank 0, under SLURM) requeue; the record the run ends with (collective).
+def exit_code_for(record: dict[str, Any]) -> int:
+    """75 (try again later) after a requeue signal, 128 + the signal after a stop signal."""
+    if record.get("action") == "requeue":
+        return EXIT_PREEMPTED
+    return 128 + int(signal.Signals[record["signal"]])
 
-    `save_checkpoint` is the trainer's collective save (returns the path, or None if it
-    failed), or None where this build has no checkpointing: then nothing is requeued,
-    because a requeued job without a checkpoint would start over and could be preempted
-    forever. The requeue runs once per job, on rank 0 (SLURM restarts every rank), and
-    every rank learns whether it happened.
+
+def stop_for_preemption(save_checkpoint: Any, watch: PreemptionWatch, requeue_allowed: bool, step: int,
+                        environ: Mapping[str, str], report: Any, max_requeues: int) -> dict[str, Any]:
+    """Checkpoint, then requeue where the signal asks for it; the record the run ends with.
+
+    Collective. `save_checkpoint` is the trainer's collective save (the path, or None if
+    it failed). A requeue signal (USR1 by default) requeues the SLURM job once the
+    checkpoint committed; a stop signal (TERM: `scancel`, the kill at a time limit) never
+    does, so a cancelled job stays cancelled. No requeue after a failed save (it would
+    repeat the lost steps, maybe forever), nor past `max_requeues` requeues of this job.
+    The requeue runs on rank 0 and every rank learns whether it happened. `report` writes
+    the `preempted` record to metrics.jsonl and prints one line (rank 0).
     """
-    path = save_checkpoint() if callable(save_checkpoint) else None
+    path = save_checkpoint()
+    committed = time.monotonic()
+    action = "requeue" if watch.requeue else "stop"
     requeued, message = False, "requeue off (--preempt-requeue never)"
-    if not callable(save_checkpoint):
-        message = "no checkpoint support in this build: stopping without a checkpoint or requeue"
-    elif path is None:  # a failed save: requeueing would repeat the lost steps, maybe forever
-        message = "the checkpoint failed, so the job is not requeued; see the error above"
-    elif requeue:
+    restarts = int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    if action == "stop":
+        message = f"{watch.stopped_by} means stop: not requeued"
+    elif path is None:
+        message = "the checkpoint failed, so the job is not requeued; see the error below"
+    elif restarts >= max_requeues:
+        message = (f"not requeued: this job was requeued {restarts} times already (--max-requeues "
+                   f"{max_requeues}); resubmit it to go on from the checkpoint")
+    elif requeue_allowed:
         requeued, message = on_rank_zero(lambda: requeue_slurm_job(environ))
-    warn(f"stopped at step {step} after {signal_name}; checkpoint: {path or 'none'}; {message}")
-    return {"preempted": True, "step": step, "signal": signal_name, "requeued": requeued,
-            "checkpoint": str(path) if path else None}
+    record = {"event": "preempted", "step": step, "signal": watch.stopped_by, "action": action,
+              "checkpoint": str(path) if path else None, "requeued": requeued,
+              "signal_to_commit_s": round(committed - watch.received_at, 3) if watch.received_at else None}
+    report(record, f"stopped at step {step} after {watch.stopped_by}; checkpoint: {path or 'none'}; {message}")
+    return {"preempted": True, **{k: v for k, v in record.items() if k != "event"}}

@@ -27,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_amp import checkpoint
 from ddp_amp.amp import AutocastModule, Precision, amp_step, scaled_backward, unwrap_model, wrap_model
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistContext, all_reduce_, comm_hook
-from ddp_amp.guards import PreemptionWatch, RunWatch, parse_signals, stop_for_preemption, worker_ignores
+from ddp_amp.dist import DistContext, all_reduce_, comm_hook, mark_agreed
+from ddp_amp.guards import PreemptionWatch, RunWatch, stop_for_preemption, worker_ignores
 from ddp_amp.metrics import RunLog, peak_memory_mb
 from ddp_amp.tasks import Task
 from ddp_amp.trainer.checkpointing import (TrainingParts, load_training_state, run_meta, scale_learning_rates,
@@ -61,8 +61,10 @@ class Trainer:
         self.scheduler = task.make_scheduler(self.optimizer) if task.make_scheduler else None
         self.lr_steps = TakenStepScheduler(self.scheduler, self.scaler) if self.scheduler else None
         self.clip_grad_norm = config.clip_grad_norm or task.default_clip_grad_norm or None
-        signums = parse_signals(config.preempt_signal)
-        self.preemption = PreemptionWatch(signums, self.device, config.preempt_check_s, ctx.has_group)
+        requeue_signals, stop_signals = config.signals()
+        self.preemption = PreemptionWatch(requeue_signals, self.device, config.preempt_check_s, ctx.has_group,
+                                          stop_signums=stop_signals)
+        signums = self.preemption.signums
         self.stream = BatchStream(task.train_data, config.micro_batch_size(ctx.world_size), ctx.rank,
                                   ctx.world_size, config.seed, self.device, config.num_workers,
                                   worker_init_fn=worker_ignores(signums))
@@ -139,7 +141,7 @@ class Trainer:
         Preemption signals only set a flag while training (see ddp_amp/guards/preemption.py); the
         previous handlers come back however fit ends, so a failed run still dies on TERM.
         """
-        self.preemption.install()
+        self.preemption.install(self.step)
         try:
             return self._fit()
         finally:
@@ -197,8 +199,11 @@ class Trainer:
     def stop_for_preemption(self) -> dict[str, Any]:
         """Checkpoint and requeue after an agreed preemption signal; the stop record (collective)."""
         self.watch.finish(self.step)
-        return stop_for_preemption(self.save_checkpoint, self.config.preempt_requeue == "auto", self.step,
-                                   self.preemption.stopped_by, os.environ, self.run_log.warn)
+        record = stop_for_preemption(self.save_checkpoint, self.preemption, self.config.preempt_requeue == "auto",
+                                     self.step, os.environ, self.run_log.event, self.config.max_requeues)
+        if record["checkpoint"] is None and self.checkpoint_error is not None:
+            raise mark_agreed(self.checkpoint_error, 0)  # the same SaveResult on every rank
+        return record
 
     # --- checkpoints: the files are trainer/checkpointing.py's, the protocol ddp_amp.checkpoint's ---
 
@@ -240,7 +245,7 @@ class Trainer:
 
     def _checkpoint_or_raise(self) -> None:
         if self.save_checkpoint() is None and self.checkpoint_error is not None:
-            raise self.checkpoint_error
+            raise mark_agreed(self.checkpoint_error, 0)  # the same SaveResult on every rank
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore model, optimizer, scaler, scheduler, counters, data position and this
