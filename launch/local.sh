@@ -17,7 +17,7 @@ PREEMPT_SIGNALS=${PREEMPT_SIGNALS:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-300}
 MODULE=${MODULE:-ddp_amp.train}
 if (( NPROC > 0 )); then
-    cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$NPROC"
+    cmd=("$PYTHON" -m ddp_amp.torchrun --standalone --nproc-per-node="$NPROC"
          --signals-to-handle="$PREEMPT_SIGNALS" --shutdown-timeout="$SHUTDOWN_TIMEOUT"
          -m "$MODULE" "$@")
 else

@@ -41,7 +41,7 @@ if [[ -n "${NODE_RANK:-}" ]]; then
 else
     rdzv=(--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT")
 fi
-cmd=("$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE"
+cmd=("$PYTHON" -m ddp_amp.torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE"
      "${rdzv[@]}" --rdzv-id="$RUN_ID" --signals-to-handle="$PREEMPT_SIGNALS"
      --shutdown-timeout="$SHUTDOWN_TIMEOUT" -m "$MODULE" "$@")
 echo "+ ${cmd[*]}" >&2

@@ -69,10 +69,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes_bitwise(slurm_cluster: C
     job_dir.mkdir()
     job = sbatch(slurm_cluster, REPO_ROOT / "slurm" / "one_node.sbatch",
                  ["--gpus-per-node=0", "--ntasks-per-node=2"], args, job_dir)
-    metrics = job_dir / "runs" / f"mlp-{job}" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_until(lambda: bool(_records(job_dir, job)), "the first metrics")
     subprocess.run(["scancel", "--signal=USR1", job], env=slurm_cluster.env(), check=True, timeout=30)
     info = wait_job(slurm_cluster, job, timeout=240)
     out = job_output(job_dir)
@@ -149,3 +146,20 @@ def test_scancel_cancels_a_requeue_job_after_its_checkpoint(slurm_cluster: Clust
     stops = [r for r in _records(tmp_path, job) if r.get("event") == "preempted"]
     assert len(stops) == 1 and stops[0]["action"] == "stop" and not stops[0]["requeued"], stops
     verify_checkpoint(Path(tmp_path) / stops[0]["checkpoint"])
+
+
+def test_multi_node_template_preempted_stops_quietly(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    """Two emulated nodes, one torchrun each: USR1 stops, checkpoints and requeues with one
+    stop line, no launcher traceback, and a preempted record; the requeued job completes."""
+    job = sbatch(slurm_cluster, REPO_ROOT / "slurm" / "multi_node.sbatch", ["--gpus-per-node=0", "--nodes=2"],
+                 [*PREEMPTIBLE[:-6], "--max-steps", "1500", "--log-every", "25", "--preempt-check-s", "0.2"],
+                 tmp_path, NPROC_PER_NODE="1")
+    _wait_until(lambda: any("loss" in r for r in _records(tmp_path, job)), "training")
+    subprocess.run(["scancel", "--signal=USR1", job], env=slurm_cluster.env(), check=True, timeout=30)
+    info = wait_job(slurm_cluster, job, timeout=300)
+    out = job_output(tmp_path)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out
+    assert "Traceback" not in out and "SignalException" not in out, out
+    assert sum("stopped at step" in line for line in out.splitlines()) == 1, out
+    stops = [r for r in _records(tmp_path, job) if r.get("event") == "preempted"]
+    assert len(stops) == 1 and stops[0]["requeued"], stops
