@@ -67,8 +67,10 @@ def test_bad_input_fails_in_one_line_and_keeps_saved_checkpoints(
     # Another model (wider hidden layer) in the same run directory, the option change
     # accepted: the shapes still refuse it.
     wider = ["--max-steps", "4", "--run-dir", str(run_dir), "--task-opt", "hidden=32", "--allow-change", "task_opt"]
+    config_before = (run_dir / "config.json").read_bytes()
     line = _in_process_error(COMMON + wider, capsys)
     assert "tensor(s) differ" in line and "hint:" in line
+    assert (run_dir / "config.json").read_bytes() == config_before  # the refused run wrote nothing
 
     # A full disk during the next save, with --keep-last 1: the error names the kept
     # checkpoint, and retention never ran because nothing new was committed.
