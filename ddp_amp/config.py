@@ -109,7 +109,7 @@ class TrainConfig:
     preempt_check_s: float = _opt(2.0, "seconds of training between the cross-rank checks of the "
                                   "preemption flag (each check is one tiny all-reduce)")
     max_requeues: int = _opt(20, "requeue a preempted SLURM job at most this many times (its "
-                             "SLURM_RESTART_COUNT); then stop with the checkpoint and say so")
+                             "SLURM_RESTART_COUNT); then stop with the checkpoint and say so. 0 never requeues")
     preempt_requeue: str = _opt("auto", "after a preemption stop: auto (rank 0 runs `scontrol "
                                 "requeue $SLURM_JOB_ID` under SLURM) or never", ("auto", "never"))
 
