@@ -38,7 +38,7 @@ from ddp_amp import checkpoint
 from ddp_amp.amp import (AgreedGradScaler, AutocastModule, Precision, StepResult, amp_step, resolve_precision,
                          scaled_backward, unwrap_model, wrap_model)
 from ddp_amp.dist import (BackendChoice, DeviceChoice, DistContext, PeerFailureWatch, agreed_origin,
-                          all_gather_objects, announce_failure, init_distributed, on_every_rank, release_ddp,
+                          all_gather_objects, announce_failure, init_distributed, mark_agreed, on_every_rank, release_ddp,
                           shutdown_distributed, to_device)
 from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
@@ -326,7 +326,7 @@ class Session:
         result = checkpoint.save_directory(Path(path), {STATE_FILE: payload}, meta, self.device,
                                            self.world_size)
         if result.error is not None:
-            raise result.error
+            raise mark_agreed(result.error, 0)  # the same outcome on every rank
         return Path(path)
 
     def load(self, path: str | os.PathLike[str], state: Mapping[str, Any], *,
