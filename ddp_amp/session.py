@@ -38,7 +38,7 @@ from ddp_amp import checkpoint
 from ddp_amp.amp import (AgreedGradScaler, AutocastModule, Precision, StepResult, amp_step, resolve_precision,
                          scaled_backward, unwrap_model, wrap_model)
 from ddp_amp.dist import (BackendChoice, DeviceChoice, DistContext, PeerFailureWatch, agreed_origin,
-                          all_gather_objects, announce_failure, init_distributed, mark_agreed, on_every_rank, release_ddp,
+                          all_gather_objects, announce_failure, init_distributed, mark_agreed, on_rank_zero, release_ddp,
                           shutdown_distributed, to_device)
 from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
@@ -340,7 +340,7 @@ class Session:
         streams it saved, so a resumed loop draws what an uninterrupted one would.
         """
         ctx = self.ctx
-        target = on_every_rank(lambda: _find_checkpoint(Path(path)))
+        target = on_rank_zero(lambda: _find_checkpoint(Path(path)))  # one rank hashes the files, as a resume does
 
         def holds_keys(loaded: checkpoint.LoadedCheckpoint) -> dict[str, Any]:
             payload = loaded.files[STATE_FILE]

@@ -61,14 +61,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes_bitwise(slurm_cluster: C
     """USR1 via scancel -> agreed stop, checkpoint, `scontrol requeue`; the requeued job
     (SLURM_RESTART_COUNT=1) resumes and ends with the weights of an uninterrupted run."""
     pytest.importorskip("ddp_amp.checkpoint", reason="needs the checkpoint layer (branch ckpt)")
-    steps = ["--max-steps", "1500", "--log-every", "25", "--preempt-check-s", "0.2"]
-    args = [*TINY[:TINY.index("--max-steps")], *TINY[TINY.index("--task-opt"):], *steps]
-    reference = run_train([*args, "--run-dir", str(tmp_path / "reference")], nproc=2, timeout=300)
-    assert reference.returncode == 0, reference.stderr
-    job_dir = tmp_path / "job"
-    job_dir.mkdir()
-    job = sbatch(slurm_cluster, REPO_ROOT / "slurm" / "one_node.sbatch",
-                 ["--gpus-per-node=0", "--ntasks-per-node=2"], args, job_dir)
+    job_dir, job = _reference_then_job(slurm_cluster, tmp_path, _preemptible(1500))
     _wait_until(lambda: bool(_records(job_dir, job)), "the first metrics")
     subprocess.run(["scancel", "--signal=USR1", job], env=slurm_cluster.env(), check=True, timeout=30)
     info = wait_job(slurm_cluster, job, timeout=240)
@@ -98,19 +91,30 @@ def _wait_until(condition, what: str, timeout: float = 120) -> None:  # type: ig
         time.sleep(0.05)
 
 
-PREEMPTIBLE = [*TINY[:TINY.index("--max-steps")], *TINY[TINY.index("--task-opt"):], "--max-steps", "3000",
-               "--log-every", "25", "--preempt-check-s", "0.2"]
+def _preemptible(max_steps: int) -> list[str]:
+    """The tiny mlp run with `max_steps`, logging every 25 steps and checking signals every 0.2 s."""
+    return [*TINY[:TINY.index("--max-steps")], *TINY[TINY.index("--task-opt"):], "--max-steps", str(max_steps),
+            "--log-every", "25", "--preempt-check-s", "0.2"]
+
+
+PREEMPTIBLE = _preemptible(3000)
+
+
+def _reference_then_job(cluster: Cluster, tmp_path: Path, args: list[str]) -> tuple[Path, str]:
+    """An uninterrupted 2-rank run of `args` (run dir tmp_path/reference), then the same as a
+    2-task job of the one-node template in tmp_path/job; returns (job dir, job id)."""
+    reference = run_train([*args, "--run-dir", str(tmp_path / "reference")], nproc=2, timeout=300)
+    assert reference.returncode == 0, reference.stderr
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    return job_dir, sbatch(cluster, REPO_ROOT / "slurm" / "one_node.sbatch",
+                           ["--gpus-per-node=0", "--ntasks-per-node=2"], args, job_dir)
 
 
 def test_a_job_preempted_twice_resumes_bitwise(slurm_cluster: Cluster, tmp_path: Path) -> None:
     """USR1 before and again after the first requeue: both checkpoint and requeue, and the
     job ends with the weights of an uninterrupted run."""
-    reference = run_train([*PREEMPTIBLE, "--run-dir", str(tmp_path / "reference")], nproc=2, timeout=300)
-    assert reference.returncode == 0, reference.stderr
-    job_dir = tmp_path / "job"
-    job_dir.mkdir()
-    job = sbatch(slurm_cluster, REPO_ROOT / "slurm" / "one_node.sbatch",
-                 ["--gpus-per-node=0", "--ntasks-per-node=2"], PREEMPTIBLE, job_dir)
+    job_dir, job = _reference_then_job(slurm_cluster, tmp_path, PREEMPTIBLE)
     for round_ in (1, 2):
         def training() -> bool:
             records = _records(job_dir, job)
@@ -134,9 +138,7 @@ def test_a_job_preempted_twice_resumes_bitwise(slurm_cluster: Cluster, tmp_path:
 
 def test_scancel_cancels_a_requeue_job_after_its_checkpoint(slurm_cluster: Cluster, tmp_path: Path) -> None:
     job = sbatch(slurm_cluster, REPO_ROOT / "slurm" / "one_node.sbatch",
-                 ["--gpus-per-node=0", "--ntasks-per-node=2"], [*PREEMPTIBLE[:-6], "--max-steps", "100000",
-                                                               "--log-every", "25", "--preempt-check-s", "0.2"],
-                 tmp_path)
+                 ["--gpus-per-node=0", "--ntasks-per-node=2"], _preemptible(100000), tmp_path)
     _wait_until(lambda: any("loss" in r for r in _records(tmp_path, job)), "training")
     subprocess.run(["scancel", job], env=slurm_cluster.env(), check=True, timeout=30)  # plain: SIGTERM
     info = wait_job(slurm_cluster, job, timeout=120)
@@ -152,8 +154,7 @@ def test_multi_node_template_preempted_stops_quietly(slurm_cluster: Cluster, tmp
     """Two emulated nodes, one torchrun each: USR1 stops, checkpoints and requeues with one
     stop line, no launcher traceback, and a preempted record; the requeued job completes."""
     job = sbatch(slurm_cluster, REPO_ROOT / "slurm" / "multi_node.sbatch", ["--gpus-per-node=0", "--nodes=2"],
-                 [*PREEMPTIBLE[:-6], "--max-steps", "1500", "--log-every", "25", "--preempt-check-s", "0.2"],
-                 tmp_path, NPROC_PER_NODE="1")
+                 _preemptible(1500), tmp_path, NPROC_PER_NODE="1")
     _wait_until(lambda: any("loss" in r for r in _records(tmp_path, job)), "training")
     subprocess.run(["scancel", "--signal=USR1", job], env=slurm_cluster.env(), check=True, timeout=30)
     info = wait_job(slurm_cluster, job, timeout=300)
