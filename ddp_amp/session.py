@@ -38,8 +38,8 @@ from ddp_amp import checkpoint
 from ddp_amp.amp import (AgreedGradScaler, AutocastModule, Precision, StepResult, amp_step, resolve_precision,
                          scaled_backward, unwrap_model, wrap_model)
 from ddp_amp.dist import (BackendChoice, DeviceChoice, DistContext, PeerFailureWatch, agreed_origin,
-                          all_gather_objects, announce_failure, init_distributed, mark_agreed, on_rank_zero, release_ddp,
-                          shutdown_distributed, to_device)
+                          all_gather_objects, announce_failure, init_distributed, mark_agreed, on_rank_zero,
+                          release_ddp, shutdown_distributed, to_device)
 from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import check_rank_sync

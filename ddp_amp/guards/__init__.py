@@ -23,7 +23,8 @@ from ddp_amp.guards.rank_sync import check_rank_sync, fingerprint
 from ddp_amp.guards.watch import RunWatch, WatchOptions
 
 __all__ = [
-    "EXIT_PREEMPTED", "FiniteStateGuard", "LossScaleGuard", "OverflowProbe", "PreemptionWatch", "RunWatch", "WatchOptions",
+    "EXIT_PREEMPTED", "FiniteStateGuard", "LossScaleGuard", "OverflowProbe", "PreemptionWatch", "RunWatch",
+    "WatchOptions",
     "check_loss_finite", "check_rank_sync", "describe", "exit_code_for", "fingerprint", "parse_signals",
     "requeue_slurm_job", "stop_for_preemption", "worker_ignores",
 ]
