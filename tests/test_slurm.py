@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -77,8 +78,8 @@ def test_preempted_job_checkpoints_requeues_and_resumes_bitwise(slurm_cluster: C
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
 
 
-def _records(job_dir: Path, job: str) -> list[dict]:
-    metrics = job_dir / "runs" / f"mlp-{job}" / "metrics.jsonl"
+def _records(job_dir: Path, job: str, task: str = "mlp") -> list[dict]:
+    metrics = job_dir / "runs" / f"{task}-{job}" / "metrics.jsonl"
     if not metrics.exists():
         return []
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -164,3 +165,30 @@ def test_multi_node_template_preempted_stops_quietly(slurm_cluster: Cluster, tmp
     assert sum("stopped at step" in line for line in out.splitlines()) == 1, out
     stops = [r for r in _records(tmp_path, job) if r.get("event") == "preempted"]
     assert len(stops) == 1 and stops[0]["requeued"], stops
+
+
+def test_a_time_limited_job_finishes_over_several_windows(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    """`--time=1` and the template's USR1 warning, 50 s ahead of the limit, for work of about
+    40 s of steps: each warning checkpoints and requeues, every window starts at the step the
+    last one stopped at (no step is lost or done twice), and the job ends COMPLETED, not TIMEOUT.
+
+    slurmctld checks time limits every 30 s, so the warning lands 10-40 s into a window and
+    the work always needs a second one."""
+    steps = 2000  # x 20 ms per step
+    args = ["--task", "tests.plugins.paced_task:make_task", "--device", "cpu", "--max-steps", str(steps),
+            "--log-every", "100", "--preempt-check-s", "0.2"]
+    job = sbatch(slurm_cluster, REPO_ROOT / "slurm" / "one_node.sbatch",
+                 ["--gpus-per-node=0", "--ntasks-per-node=2", "--time=1", "--signal=USR1@50"], args, tmp_path)
+    info = wait_job(slurm_cluster, job, timeout=480)
+    out = job_output(tmp_path)
+    assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, (info, out)
+    stops = [r for r in _records(tmp_path, job, task="paced_task") if r.get("event") == "preempted"]
+    assert len(stops) == int(info["Restarts"]), (stops, out)
+    assert all(r["signal"] == "SIGUSR1" and r["action"] == "requeue" and r["requeued"] for r in stops), stops
+    resumed_at = [int(step) for step in re.findall(r"resumed from \S+ at step (\d+)", out)]
+    assert resumed_at == [r["step"] for r in stops], out
+    summary = json.loads((tmp_path / "runs" / f"paced_task-{job}" / "summary.json").read_text())
+    assert summary["steps"] == steps
+    # The summary's rate is of this window's own samples, not of every window's over its time.
+    logged = [r["samples_per_s"] for r in _records(tmp_path, job, task="paced_task") if "loss" in r]
+    assert summary["samples_per_s"] < 1.5 * max(logged), (summary, logged)

@@ -10,7 +10,7 @@ import pytest
 
 from ddp_amp.config import TrainConfig
 from ddp_amp.errors import UsageError
-from ddp_amp.tasks import BUILTIN_TASKS, Task, load_task
+from ddp_amp.tasks import BUILTIN_TASKS, Task, load_task, task_label
 from tests.multiproc import run_train
 
 PLUGIN_HEADER = """
@@ -69,6 +69,8 @@ def test_every_builtin_name_loads_a_task() -> None:
 def test_a_good_plugin_loads_and_is_named_after_its_function(plugin_dir: Path) -> None:
     task = load_task("myplugin:good", TrainConfig())
     assert task.name == "good" and len(task.train_data) == 8  # type: ignore[arg-type]
+    # The conventional factory name says nothing, so such a plugin is named after its module.
+    assert task_label("examples.plugin_task:make_task") == "plugin_task"
 
 
 @pytest.mark.parametrize("index", range(len(BAD_PLUGINS)))

@@ -114,6 +114,21 @@ def _check_task(spec: str, task: object) -> Task:
     return task
 
 
+PLUGIN_FACTORY = "make_task"  # the conventional factory name, which names no task
+
+
+def task_label(spec: str) -> str:
+    """A short name for the task `spec` names: the built-in name, the plugin's factory
+    (`myplugin:good` -> `good`), or, where that is the conventional `make_task`, the
+    plugin's module (`examples.plugin_task:make_task` -> `plugin_task`)."""
+    if spec in BUILTIN_TASKS:
+        return spec
+    module_name, _, function_name = spec.partition(":")
+    if function_name and function_name != PLUGIN_FACTORY:
+        return function_name
+    return module_name.rpartition(".")[2] or spec
+
+
 def load_task(spec: str, config: TrainConfig) -> Task:
     """Build the task named by `spec` (a built-in name or 'module:function')."""
     target = BUILTIN_TASKS.get(spec, spec)
@@ -132,5 +147,5 @@ def load_task(spec: str, config: TrainConfig) -> Task:
                          "check the name after the colon")
     task = _check_task(spec, factory(config))
     if not task.name:
-        task.name = spec.rpartition(":")[2] if spec not in BUILTIN_TASKS else spec
+        task.name = task_label(spec)
     return task

@@ -150,7 +150,7 @@ class Trainer:
     def _fit(self) -> dict[str, Any]:
         self.model.train()
         started = window_start = time.perf_counter()
-        started_step = self.step
+        started_step, started_samples = self.step, self.samples_seen  # a resumed run counts from here
         window_samples, window_steps = self.samples_seen, self.step
         loss = self.last_loss
         every = self.config.eval_every
@@ -180,7 +180,7 @@ class Trainer:
         self.watch.finish(self.step)
         elapsed = time.perf_counter() - started
         self._checkpoint_or_raise()  # the final one; a halted run raised before reaching it
-        summary = self.log_record(loss, self.samples_seen / max(elapsed, 1e-9),
+        summary = self.log_record(loss, (self.samples_seen - started_samples) / max(elapsed, 1e-9),
                                   elapsed / max(self.step - started_step, 1))
         skipped = summary["skipped_total"]
         if last_eval.get("step") != self.step:  # reuse the cadence's metric at this very step

@@ -29,6 +29,7 @@ from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistContext, on_rank_zero
 from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
+from ddp_amp.tasks import task_label
 
 RUNS_ROOT = Path("runs")
 LOCK_FILE = ".lock"
@@ -47,9 +48,8 @@ def run_directory(config: TrainConfig, ctx: DistContext) -> Path:
         return Path(config.run_dir)
     if config.run_name:
         return RUNS_ROOT / config.run_name
-    task = config.task.rpartition(":")[2] or config.task
     name = ctx.env.run_id or on_rank_zero(lambda: _new_name(ctx.env))
-    return RUNS_ROOT / f"{task}-{name}"
+    return RUNS_ROOT / f"{task_label(config.task)}-{name}"
 
 
 def _holder(env: DistEnv) -> dict[str, object]:
