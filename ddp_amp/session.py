@@ -259,8 +259,10 @@ class Session:
         collective: DDP reduces gradients only in the final `backward`.
         """
         grads = torch.autograd.grad(self.scaler.scale(loss), list(inputs), create_graph=create_graph)
-        inv_scale = 1.0 / self.scaler.get_scale()
-        return tuple(grad * inv_scale for grad in grads)
+        if not self.scaler.is_enabled():
+            return tuple(grads)
+        scale = self.scaler._get_scale_async()  # the device tensor: dividing by it reads nothing
+        return tuple(grad / scale for grad in grads)
 
     def step(self, *optimizers: torch.optim.Optimizer, clip_grad_norm: float | None = None,
              update: bool = True) -> StepResult:

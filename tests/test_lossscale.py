@@ -106,8 +106,10 @@ def test_scale_at_floor_with_overflows_stops_one_process(tmp_path: Path) -> None
         train(config, init_distributed(detect_env({}), device="cpu"))
     events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     overflows = [e for e in events if e.get("event") == "overflow"]
-    # 4 -> 2 -> 1 (floor), then one more overflow at the floor: stop at step 4.
-    assert events[-1]["event"] == "halted" and events[-1]["step"] == 4
+    # 4 -> 2 -> 1 (floor), then overflows at the floor from step 4 on; the counters are read
+    # every log_every (5) steps, so the stop comes at the first check after: step 5.
+    assert events[-1]["event"] == "halted" and events[-1]["step"] == 5
+    # One process: the skipped step's gradients are its own, so the first report names them.
     assert overflows and overflows[0]["ranks"] == [0] and overflows[0]["params"] == {"0": ["0.weight"]}
     assert not (tmp_path / "summary.json").exists()
 
@@ -124,15 +126,20 @@ def test_two_ranks_fp16_stop_and_name_the_rank_with_bad_local_gradients(tmp_path
                         "--max-consecutive-skips", "5", "--max-steps", "60", "--batch-size", "16",
                         "--log-every", "50", "--run-dir", str(tmp_path)], nproc=2)
     assert result.returncode != 0
-    assert result.stderr.count("ddp_amp: stopped: fp16 loss scaling failed at step 7: 5 consecutive "
+    # Skips from step 3 on; the counters are read every 2 steps (half the limit), so the
+    # streak is seen at 6 consecutive skips, at step 8.
+    assert result.stderr.count("ddp_amp: stopped: fp16 loss scaling failed at step 8: 6 consecutive "
                                "optimizer steps were skipped") == 1  # once, from rank 0
     assert "--precision bf16" in result.stderr and "lower --lr" in result.stderr
     events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     overflows = [e for e in events if e.get("event") == "overflow"]
-    assert overflows[0]["step"] == 3
-    assert all(e["ranks"] == [1] and e["params"] == {"1": ["2.bias"]} for e in overflows), overflows
-    assert sum(e["skipped"] for e in overflows) == 5  # every skip is accounted for
-    assert events[-1] == {**events[-1], "event": "halted", "step": 7}
+    # The first check that sees skips (step 4) arms the probe: that report names nobody...
+    assert overflows[0]["step"] == 4 and not overflows[0]["checked"] and overflows[0]["ranks"] == []
+    # ...and every later one names rank 1's own bad gradient, before DDP's reduction spread it.
+    assert len(overflows) >= 2, overflows
+    assert all(e["checked"] and e["ranks"] == [1] and e["params"] == {"1": ["2.bias"]} for e in overflows[1:]), overflows
+    assert sum(e["skipped"] for e in overflows) == 6  # every skip is accounted for
+    assert events[-1] == {**events[-1], "event": "halted", "step": 8}
     # no checkpoint of the bad state (the folder itself is made by the writability check)
     assert not (tmp_path / "summary.json").exists() and not list(tmp_path.glob("checkpoints/step-*"))
     assert os.listdir(tmp_path)  # the run dir (config, metrics) is kept for the post-mortem

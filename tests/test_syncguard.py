@@ -38,19 +38,24 @@ def _train_then_perturb(ctx: DistContext) -> dict[str, object]:
         except TrainingHalted as error:
             message = str(error)
         run_log.close()
-    return {"steps": trainer.step, "message": message, "forensics": _bucket_forensics(ctx)}
+    return {"steps": trainer.step, "message": message, "forensics": _armed_forensics(ctx)}
 
 
-def _bucket_forensics(ctx: DistContext) -> dict[str, object]:
-    """The GPU path of the overflow probe (device-side bucket counts), driven on a CPU."""
+def _armed_forensics(ctx: DistContext) -> dict[str, object]:
+    """The overflow probe under DDP: nothing checked until armed, then the exact local names."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    probe = OverflowProbe(list(model.named_parameters()), ctx.rank, ctx.device, exact=False)
-    ddp = wrap_ddp(model, ctx.device, comm_hook=probe.comm_hook())
+    probe = OverflowProbe(list(model.named_parameters()), ctx.rank)
+    ddp = wrap_ddp(model, ctx.device)
     scale = float("inf") if ctx.rank == 1 else 1.0
-    (ddp(torch.ones(2, 4)).sum() * scale).backward()
-    record = probe.report(step=1, skipped=1)
+    (ddp(torch.ones(2, 4)).sum() * scale).backward()  # before arming: nobody looked
+    unarmed = probe.report(step=1, skipped=1)
+    probe.arm()
+    model.zero_grad(set_to_none=True)
+    (ddp(torch.ones(2, 4)).sum() * scale).backward()  # armed: each rank's own gradients are checked
+    armed = probe.report(step=2, skipped=1)
+    probe.disarm()
     del ddp
-    return record
+    return {"unarmed": unarmed, "armed": armed, "hooks_left": probe.armed}
 
 
 def test_guard_names_the_rank_and_parameter_that_drifted() -> None:
@@ -62,6 +67,9 @@ def test_guard_names_the_rank_and_parameter_that_drifted() -> None:
         assert "rank 1 differs from rank 0 in parameters 2.bias" in message
         assert "0.weight" not in message  # only the parameter that differs is named
         forensics = result["forensics"]
-        assert forensics["ranks"] == [1], forensics  # type: ignore[index]
-        # One bucket holds all four tensors: named at bucket granularity, in bucket order.
-        assert sorted(forensics["params"]["1"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]  # type: ignore[index]
+        unarmed, armed = forensics["unarmed"], forensics["armed"]  # type: ignore[index]
+        assert not unarmed["checked"] and unarmed["ranks"] == [], unarmed
+        assert armed["checked"] and armed["ranks"] == [1], armed
+        # The local gradients of rank 1, before DDP's reduction: every parameter saw the inf.
+        assert sorted(armed["params"]["1"]) == ["0.bias", "0.weight", "1.bias", "1.weight"], armed
+        assert not forensics["hooks_left"]  # type: ignore[index]

@@ -38,9 +38,21 @@ class AutocastModule(nn.Module):
         self.enabled = enabled
         self.cast_outputs_to_fp32 = cast_outputs_to_fp32
 
+    def _already_in_effect(self) -> bool:
+        """Does this thread already run under the autocast this module asks for?"""
+        if not torch.is_autocast_enabled(self.device_type):
+            return not self.enabled
+        return self.enabled and torch.get_autocast_dtype(self.device_type) == self.dtype
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
+        # Where the caller's thread is already in the same autocast state (the Trainer runs
+        # forward and loss in one region, as the recipe does), entering it again would only
+        # cost host time; any other thread, or another state, gets this module's own.
+        if self._already_in_effect():
             output = self.module(*args, **kwargs)
+        else:
+            with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
+                output = self.module(*args, **kwargs)
         return _to_fp32(output) if self.cast_outputs_to_fp32 else output
 
     def unwrap(self) -> nn.Module:

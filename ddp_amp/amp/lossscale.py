@@ -8,9 +8,10 @@ after step while the scale sinks towards zero, and the loss goes NaN much later.
   but leave the scale alone; from the H-th on, every further overflow backs off. A clean
   step resets the count. H = 1 is GradScaler's own behaviour.
 - *floor*: the scale never backs off below `min_scale`.
-- `OverflowCounters`: on-device counts of consecutive skipped steps, and of consecutive
-  skips that happened with the scale already at its floor. They are updated with tensor ops
-  (no host sync) and read only when the guard checks.
+- `OverflowCounters`: on-device counts of skipped steps, consecutive skipped steps, and
+  consecutive skips that happened with the scale already at its floor. A step only appends
+  its flag to a list; the counts are folded from it with a few vectorized device ops every
+  `FOLD_EVERY` steps or when read (no host sync), and read only when the guard checks.
 - `LossScaleOptions`: the settings, validated with a hint.
 
 The host-side check that turns those counts into a `TrainingHalted` lives with the other
@@ -50,44 +51,106 @@ def next_scale(scale: torch.Tensor, growth_tracker: torch.Tensor, streak: torch.
     return new_scale, tracker
 
 
-class OverflowCounters:
-    """Consecutive-skip counts kept on the device; `worst()` reads and resets the maxima.
+FOLD_EVERY = 1024  # steps between folds of the recorded flags: bounds the list, amortizes the ops
 
-    The tensors are made on the first `record`, on the device of the scale itself (for
-    "cuda" the scaler only learns which GPU from the first scaled loss).
+
+def _runs_of_ones(flags: torch.Tensor, carried: torch.Tensor) -> torch.Tensor:
+    """For 0/1 `flags` (n,), the length of the run of ones ending at each position, where
+    the run before the first flag was `carried` long (all device ops, no host sync)."""
+    index = torch.arange(flags.numel(), device=flags.device)
+    last_zero = torch.cummax(torch.where(flags == 0, index, -1), dim=0).values
+    return index - last_zero + (last_zero < 0).to(index.dtype) * carried
+
+
+class OverflowCounters:
+    """Skipped-step counts kept on the device and folded lazily: nothing per step but a list append.
+
+    `record(flag, scale_before)` keeps a reference to the step's agreed skip flag (and, with
+    a floor set, a copy of the scale the step used). Every `FOLD_EVERY` steps, and whenever
+    someone reads the counts, `fold()` turns the recorded steps into the running total, the
+    current streaks and the worst streaks since the last `worst()`, with a few vectorized
+    ops on the device (a cumulative max finds the runs of skips), no host sync.
+
+    Counts: skipped steps in total; consecutive skipped steps (`streak`); consecutive skips
+    with the scale already at its floor (`floor_streak`). The tensors are made on the first
+    fold, on the device of the flags (for "cuda" the scaler only learns which GPU from the
+    first scaled loss).
     """
 
     def __init__(self) -> None:
-        self.streak: torch.Tensor | None = None        # consecutive skipped steps, now
-        self.floor_streak: torch.Tensor | None = None  # consecutive skips with the scale at its floor
+        self._flags: list[torch.Tensor] = []
+        self._scales: list[torch.Tensor] = []
+        self._min_scale = 0.0
+        self.total: torch.Tensor | None = None
+        self.streak: torch.Tensor | None = None
+        self.floor_streak: torch.Tensor | None = None
         # Worst values since the last read: a guard that checks every k steps still sees a
         # streak that peaked and recovered between two checks.
         self._worst: torch.Tensor | None = None
-        self._loaded = (0, 0)
+        self._loaded = (0, 0, 0)  # total, streak, floor streak from a checkpoint
+
+    def record(self, skipped: torch.Tensor, scale_before: torch.Tensor | None, min_scale: float) -> None:
+        """Count one step: `skipped` is its agreed 0/1 flag, `scale_before` the scale it used
+        (a tensor the caller will not change; only needed with a floor, `min_scale` > 0)."""
+        self._flags.append(skipped)
+        self._min_scale = min_scale
+        if min_scale > 0 and scale_before is not None:
+            self._scales.append(scale_before)
+        if len(self._flags) >= FOLD_EVERY:
+            self.fold()
 
     def _ensure(self, device: torch.device) -> None:
-        if self.streak is None:
-            self.streak = torch.tensor(self._loaded[0], dtype=torch.int64, device=device)
-            self.floor_streak = torch.tensor(self._loaded[1], dtype=torch.int64, device=device)
+        if self.total is not None and self.total.device != device:  # read before the first step
+            self.total, self.streak = self.total.to(device), self.streak.to(device)
+            self.floor_streak, self._worst = self.floor_streak.to(device), self._worst.to(device)
+        if self.total is None:
+            total, streak, floor_streak = self._loaded
+            self.total = torch.tensor(total, dtype=torch.int64, device=device)
+            self.streak = torch.tensor(streak, dtype=torch.int64, device=device)
+            self.floor_streak = torch.tensor(floor_streak, dtype=torch.int64, device=device)
             self._worst = torch.zeros(2, dtype=torch.int64, device=device)
 
-    def record(self, skipped: torch.Tensor, scale_before: torch.Tensor, min_scale: float) -> torch.Tensor:
-        """Count one step and return the skip streak including it (a device tensor).
+    def fold(self) -> None:
+        """Fold the steps recorded since the last fold into the counts (device ops only)."""
+        if not self._flags:
+            return
+        device = self._flags[0].device
+        self._ensure(device)
+        flags = torch.stack(self._flags).to(device, torch.int64).reshape(-1)
+        runs = _runs_of_ones(flags, self.streak)
+        if self._scales and len(self._scales) == len(self._flags):
+            at_floor = (torch.stack(self._scales).reshape(-1).to(device) <= self._min_scale).to(torch.int64)
+            floor_runs = _runs_of_ones(flags * at_floor, self.floor_streak)
+        else:
+            floor_runs = torch.zeros_like(runs)
+        self.total = self.total + flags.sum()
+        self.streak, self.floor_streak = runs[-1], floor_runs[-1]
+        self._worst = torch.maximum(self._worst, torch.stack([runs.max(), floor_runs.max()]))
+        self._flags, self._scales = [], []
 
-        `skipped` is the agreed 0/1 flag, `scale_before` the scale the step used.
-        """
-        self._ensure(scale_before.device)
-        skipped = skipped.to(scale_before.device, torch.int64)
-        streak = (self.streak + 1) * skipped
-        at_floor = (scale_before <= min_scale).to(torch.int64).reshape(()) if min_scale > 0 \
-            else torch.zeros_like(skipped)
-        floor_streak = (self.floor_streak + 1) * skipped * at_floor
-        self.streak, self.floor_streak = streak, floor_streak
-        self._worst = torch.maximum(self._worst, torch.stack([streak, floor_streak]))
-        return streak
+    def skipped_total(self, device: torch.device) -> torch.Tensor:
+        """0-d int tensor: skipped steps so far (folds; no host sync)."""
+        self.fold()
+        self._ensure(device)
+        return self.total
+
+    def current_streak(self, device: torch.device) -> torch.Tensor:
+        """0-d int tensor: consecutive skipped steps up to the last recorded one (folds)."""
+        self.fold()
+        self._ensure(device)
+        return self.streak
+
+    def restore_total(self, count: int) -> None:
+        """Set the skipped-step total, as a resumed run continues the count it saved."""
+        self.fold()
+        if self.total is None:
+            self._loaded = (count, *self._loaded[1:])
+        else:
+            self.total.fill_(count)
 
     def worst(self) -> tuple[int, int]:
         """(longest skip streak, longest at-floor skip streak) since the last call (host sync)."""
+        self.fold()
         if self._worst is None:
             return 0, 0
         streak, floor_streak = self._worst.tolist()
@@ -95,15 +158,18 @@ class OverflowCounters:
         return int(streak), int(floor_streak)
 
     def state_dict(self) -> dict[str, int]:
+        self.fold()
         if self.streak is None:
-            return {"overflow_streak": self._loaded[0], "floor_streak": self._loaded[1]}
+            return {"overflow_streak": self._loaded[1], "floor_streak": self._loaded[2]}
         return {"overflow_streak": int(self.streak.item()), "floor_streak": int(self.floor_streak.item())}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self._loaded = (int(state.get("overflow_streak", 0)), int(state.get("floor_streak", 0)))
+        self.fold()
+        streaks = (int(state.get("overflow_streak", 0)), int(state.get("floor_streak", 0)))
+        self._loaded = (self._loaded[0], *streaks)
         if self.streak is not None:
-            self.streak.fill_(self._loaded[0])
-            self.floor_streak.fill_(self._loaded[1])
+            self.streak = torch.full_like(self.streak, streaks[0])
+            self.floor_streak = torch.full_like(self.floor_streak, streaks[1])
 
 
 @dataclass(frozen=True)

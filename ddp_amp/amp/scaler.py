@@ -55,16 +55,25 @@ class AgreedGradScaler(torch.amp.GradScaler):
         self.min_scale = min_scale
         self.overflow_counters = OverflowCounters()
         # Device tensors, read only when someone asks (logging steps): reading them is a
-        # device-to-host sync on CUDA.
+        # device-to-host sync on CUDA. Per step the scaler only records the agreed flag.
         self._last_skipped: torch.Tensor | None = None
-        self._skipped_total: torch.Tensor | None = None
+        self._no_skip: torch.Tensor | None = None  # what last_step_skipped() says before any step
         # False only to measure what the agreement costs (the benchmark): without it, ranks
         # can take different skip decisions. Fixed at construction, the same on every rank.
         self.agree_with_peers = True
         self.agreements = 0  # found-inf all-reduces run (a host int, no sync)
+        self._peers_of: object = None
+        self._peers = False
 
     def _has_peers(self) -> bool:
-        return dist.is_initialized() and dist.get_world_size(self.process_group) > 1
+        # Asked once per step; the answer holds for the life of the process group, so it is
+        # kept, per group object (a test may make a new group in the same process).
+        group = self.process_group if self.process_group is not None else \
+            (dist.group.WORLD if dist.is_initialized() else None)
+        if self._peers_of is not group or group is None:
+            self._peers_of = group
+            self._peers = group is not None and dist.get_world_size(group) > 1
+        return self._peers
 
     def _agree(self, found_inf_per_device: dict[Any, torch.Tensor]) -> None:
         """MAX-reduce each local found-inf flag in place, so any rank's inf is everyone's."""
@@ -86,17 +95,19 @@ class AgreedGradScaler(torch.amp.GradScaler):
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         if self._enabled and self._scale is not None:
-            flags = [flag.to(self._scale.device, non_blocking=True)
-                     for state in self._per_optimizer_states.values()
+            flags = [flag for state in self._per_optimizer_states.values()
                      for flag in state["found_inf_per_device"].values()]
             if flags:
-                skipped = (torch.stack(flags).sum() > 0).to(torch.int64)
+                # One optimizer on one device (the usual case) hands its agreed flag over
+                # as it is: no op. Several are combined on the scale's device.
+                skipped = flags[0] if len(flags) == 1 else \
+                    (torch.stack([f.to(self._scale.device) for f in flags]).sum() > 0).float()
                 self._last_skipped = skipped
-                self._skipped_total = skipped if self._skipped_total is None else self._skipped_total + skipped
-                streak = self.overflow_counters.record(skipped, self._scale, self.min_scale)
+                floored = self.min_scale > 0
+                self.overflow_counters.record(skipped, self._scale.clone() if floored else None, self.min_scale)
                 if new_scale is None and self._growth_tracker is not None and self.hysteresis > 1:
                     new_scale, tracker = next_scale(
-                        self._scale, self._growth_tracker, streak,
+                        self._scale, self._growth_tracker, self.overflow_counters.current_streak(self._scale.device),
                         self._growth_factor, self._backoff_factor, self._growth_interval,
                         self.hysteresis, self.min_scale)
                     self._growth_tracker.copy_(tracker)
@@ -119,18 +130,22 @@ class AgreedGradScaler(torch.amp.GradScaler):
             self.overflow_counters.load_state_dict(state_dict)
 
     def last_step_skipped(self) -> torch.Tensor:
-        """0-d int tensor on the scaler's device: 1 if the last `update()` followed a skip."""
+        """0-d float tensor on the scaler's device: 1 if the last `update()` followed a skip, else 0.
+
+        The agreed found-inf flag itself, not a copy: read it before the next step.
+        """
         if self._last_skipped is None:
-            return torch.zeros((), dtype=torch.int64)
+            if self._no_skip is None:
+                self._no_skip = torch.zeros(())
+            return self._no_skip
         return self._last_skipped
 
     def skipped_steps(self) -> torch.Tensor:
         """0-d int tensor: steps skipped since this scaler was made (read at logging time)."""
-        if self._skipped_total is None:
-            return torch.zeros((), dtype=torch.int64)
-        return self._skipped_total
+        scale = getattr(self, "_scale", None)  # a disabled scaler has none
+        device = scale.device if scale is not None else torch.device("cpu")
+        return self.overflow_counters.skipped_total(device)
 
     def restore_skipped_steps(self, count: int) -> None:
         """Set the skipped-step counter, as a resumed run continues the count it saved."""
-        device = self._scale.device if self._scale is not None else torch.device(self._device)
-        self._skipped_total = torch.tensor(count, dtype=torch.int64, device=device)
+        self.overflow_counters.restore_total(count)

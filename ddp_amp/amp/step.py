@@ -16,8 +16,7 @@ at logging time.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -25,11 +24,13 @@ from torch import nn
 from ddp_amp.amp.scaler import AgreedGradScaler
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """What one AMP step did. Tensors stay on the device; read them at logging time."""
+class StepResult(NamedTuple):
+    """What one AMP step did. Tensors stay on the device; read them at logging time.
 
-    # 0-d int: 1 if the step was skipped (inf/NaN on any rank). None with update=False.
+    (A NamedTuple: made once per step, and cheaper to make than a frozen dataclass.)
+    """
+
+    # 0-d tensor: 1 if the step was skipped (inf/NaN on any rank), else 0. None with update=False.
     skipped: torch.Tensor | None
     # Total norm of the unscaled gradients before clipping. None without clipping.
     grad_norm: torch.Tensor | None

@@ -2,12 +2,14 @@
 
     python -m ddp_amp.bench                         # all sections; recipe sizes on a GPU
     python -m ddp_amp.bench --sections recipe       # only the AMP recipe trials
+    python -m ddp_amp.bench --sections host --check # the Trainer's host time; exit 1 off target
     python -m ddp_amp.bench --json bench.json       # also write the figures as JSON
     python -m ddp_amp.bench --help                  # every option
 
 On a CPU the sizes default to 1/16 of the recipe (--scale) so each section takes about a
 minute; low precision on a CPU without bf16/fp16 units is many times slower than fp32, and
-the table shows that as measured. Exit codes: 0 done, 2 bad input, 1 a failed section.
+the table shows that as measured. Exit codes: 0 done, 2 bad input, 1 a failed section (or,
+with --check, a target missed).
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from typing import Any, NoReturn
 
 import torch
 
-from ddp_amp.bench import amp_recipe, fastpaths, overhead, table
+from ddp_amp.bench import amp_recipe, fastpaths, host, overhead, table
 
-SECTIONS = ("recipe", "overhead", "fastpaths")
+SECTIONS = ("recipe", "host", "overhead", "fastpaths")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark ddp_amp: (recipe) the PyTorch AMP recipe's fp32 vs autocast fp16 + "
         "GradScaler vs autocast bf16 trials, each in a fresh process: total time, time per step, peak "
         "memory (CUDA max_memory_allocated, CPU peak RSS), speed-up over fp32, TFLOP/s and MFU on known "
-        "GPUs; (overhead) the hand-written recipe loop vs ddp_amp's Trainer, interleaved in blocks, as "
+        "GPUs; (host) the Trainer's own host time per step against the hand-written AMP loop on a micro "
+        "model (2 x Linear(16,16), batch 8) whose compute is negligible, fp32/bf16/fp16, without and with "
+        "a process group of one, one thread, interleaved, against the target ratio; (overhead) the hand-written recipe loop vs ddp_amp's Trainer, interleaved in blocks, as "
         "the median of paired per-step ratios with its spread, on the recipe model and on a tiny model "
         "(2 x Linear(256,256), batch 64) where Python overhead dominates, plus the cost of the agreed "
         "overflow decision; (fastpaths) fused/foreach optimizer, set_to_none, gradient_as_bucket_view, "
@@ -68,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fastpaths: include torch.compile (default: on CUDA only; compiling takes minutes on a CPU)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per process (default: all cores for recipe trials, cores/ranks for ranks)")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if a section with targets (host) misses one (default: report only)")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write every figure, with device, torch version and date, as JSON to PATH")
     return parser
@@ -88,6 +94,9 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.scale = args.scale if args.scale is not None else (1.0 if cuda else 0.0625)
     args.ranks = args.ranks or (max(torch.cuda.device_count(), 1) if cuda else 2)
     args.fastpaths_precision = args.fastpaths_precision or ("fp16" if cuda else "fp32")
+    # The host section's steps are ~0.1-1 ms: it keeps its own counts unless told otherwise.
+    args.host_blocks = args.blocks or host.BLOCKS
+    args.host_steps = args.steps_per_block or host.STEPS_PER_BLOCK
     args.blocks = args.blocks or (20 if cuda else 8)
     args.steps_per_block = args.steps_per_block or (10 if cuda else 4)
     args.with_compile = cuda if args.with_compile is None else args.with_compile
@@ -122,6 +131,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                  threads=args.trial_threads)
         report["sections"]["recipe"] = section
         print("\n" + table.recipe_table(section), flush=True)
+    if "host" in args.sections:
+        section = host.run(args.device, args.host_blocks, args.host_steps)
+        report["sections"]["host"] = section
+        print("\n" + table.host_table(section), flush=True)
     if "overhead" in args.sections:
         section = overhead.run(args.device, args.ranks, args.scale, args.precision, args.blocks,
                                args.steps_per_block, threads=args.rank_threads, backend=args.backend)
@@ -145,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         scratch.write_text(json.dumps(report, indent=2) + "\n")
         os.replace(scratch, path)  # a failed run never leaves half a file
         print(f"\nwrote {path}")
+    missed = [name for name, section in report["sections"].items() if section.get("meets_targets") is False]
+    if args.check and missed:
+        print(f"ddp_amp.bench: targets missed in: {', '.join(missed)}", file=sys.stderr)
+        return 1
     return 0
 
 

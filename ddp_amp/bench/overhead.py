@@ -56,8 +56,12 @@ def _hand_like(ctx: DistContext, size: RecipeSize, precision: Precision, trainer
                     fused=fused, bucket_view=True)
 
 
-def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: int, steps: int) -> dict[str, Any]:
-    """Collective: every rank runs the same interleaved schedule; rank 0's timings count."""
+def measure_contenders(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: int,
+                       steps: int) -> dict[str, Any]:
+    """Hand loop against Trainer on `size`, interleaved; with the per-block `times` (hand, trainer).
+
+    Collective: every rank runs the same interleaved schedule; rank 0's timings count.
+    """
     precision = Precision(precision_name, ctx.device.type)  # type: ignore[arg-type]
     batches = make_batches(size, N_BATCHES, ctx.device, seed=1 + ctx.rank)
     cycle = itertools.cycle(batches)
@@ -73,7 +77,14 @@ def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: in
         "step_ms": {name: median_ms(t) for name, t in zip(names, times)},
         "trainer_over_hand": paired_ratio(times[0], times[1]),
         "agreements": trainer.scaler.agreements,
+        "times": times,
     }
+    return result
+
+
+def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: int, steps: int) -> dict[str, Any]:
+    result = measure_contenders(ctx, size, precision_name, blocks, steps)
+    del result["times"]
     return result
 
 

@@ -31,6 +31,19 @@ def ratio_text(ratio: dict[str, float]) -> str:
             f"min-max {ratio['min']:.3f}-{ratio['max']:.3f}, n={ratio['pairs']}]")
 
 
+def host_table(section: dict[str, Any]) -> str:
+    size = section["size"]
+    title = (f"Host time per step: Trainer / hand-written AMP loop on {size['layers']} x Linear({size['width']},"
+             f"{size['width']}), batch {size['batch']} (compute negligible), 1 thread, "
+             f"{section['blocks']} interleaved blocks x {section['steps_per_block']} steps")
+    rows = [[row["precision"], f"group of {row['ranks']} (DDP)" if row["ddp"] else "none",
+             row["step_us"]["hand"], row["step_us"]["trainer"], row["extra_us"],
+             ratio_text(row["trainer_over_hand"]), row["target"], "yes" if row["meets_target"] else "NO"]
+            for row in section["rows"]]
+    return title + "\n" + grid(["precision", "process group", "hand us", "trainer us", "extra us",
+                                "trainer / hand", "target", "met"], rows)
+
+
 def recipe_table(section: dict[str, Any]) -> str:
     size = section["size"]
     title = (f"AMP recipe: {size['layers']} x Linear({size['width']},{size['width']}) (+ReLU), batch "

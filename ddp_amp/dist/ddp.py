@@ -1,9 +1,9 @@
 """DDP itself: the one place a model is wrapped in DistributedDataParallel, and its comm hook.
 
 DDP takes one communication hook, registered before the first backward; `wrap_ddp`
-registers it at construction, so no other module touches `register_comm_hook`. The hook
-is `--grad-comm-dtype`'s compression (`comm_hook`), or a hook that wraps it (the overflow
-probe checks each local bucket, then hands it on).
+registers it at construction, so no other module touches `register_comm_hook`. The only
+hook is `--grad-comm-dtype`'s compression (`comm_hook`): without one DDP keeps its built-in
+C++ all-reduce, since a Python hook costs host time on every bucket of every step.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from ddp_amp.errors import UsageError
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
-# Compression hooks cast each bucket, all-reduce it in the small dtype and cast back. The
-# sum is the same tensor on every rank, so the scaler's fast path still holds. torch's own
-# hooks serve NCCL; its bf16 hook refuses other backends, though gloo sums bf16 fine.
+# Compression hooks cast each bucket, all-reduce it in the small dtype and cast back.
+# torch's own hooks serve NCCL; its bf16 hook refuses other backends, though gloo sums bf16 fine.
 _NCCL_HOOKS: dict[str, CommHook] = {"fp16": default_hooks.fp16_compress_hook,
                                     "bf16": default_hooks.bf16_compress_hook}
 _COMM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -5,8 +5,9 @@ weights, and every rank's weights after it are non-finite (DDP sums the bad grad
 into everyone's). The logged loss shows it only at the next log step, so without a check
 every checkpoint in between would commit the broken weights and retention would delete the
 finite ones. Here:
-- every step, the first non-finite step loss is remembered on the device (two small ops,
-  no host sync), so the stop can name the step where it went wrong;
+- every step's loss is kept (a reference, no op); every `FOLD_EVERY` steps and before a
+  check they are folded on the device into the first non-finite step (a few vectorized
+  ops, no host sync), so the stop can name the step where it went wrong;
 - before every checkpoint, each rank checks its weights (one pass over them, read once)
   and the ranks gather what they found (collective); if any rank's weights or losses are
   non-finite, nothing is written and every rank stops with the step and the newest finite
@@ -25,18 +26,42 @@ from ddp_amp.dist import all_gather_objects
 from ddp_amp.errors import TrainingHalted
 
 
+FOLD_EVERY = 1024  # losses kept before they are folded: bounds the list, amortizes the ops
+
+
 class FiniteStateGuard:
     """The first non-finite step loss (on the device) and the pre-checkpoint weight check."""
 
     def __init__(self, device: torch.device, track_losses: bool) -> None:
         self.track_losses = track_losses
         self._first_bad = torch.full((), -1, dtype=torch.int64, device=device)
+        self._losses: list[torch.Tensor] = []  # of consecutive steps from self._first_step
+        self._first_step = 0
 
     def record(self, step: int, loss: torch.Tensor) -> None:
-        """Remember `step` if its loss is the first non-finite one (no host sync)."""
+        """Keep `step`'s loss to check later (no op, no host sync). Steps come one by one;
+        call `restart()` where they jump (a checkpoint loaded in the same process)."""
         if self.track_losses:
-            fresh = torch.where(torch.isfinite(loss), -1, step)
-            self._first_bad = torch.where(self._first_bad >= 0, self._first_bad, fresh)
+            losses = self._losses
+            if not losses:
+                self._first_step = step
+            losses.append(loss)
+            if len(losses) >= FOLD_EVERY:
+                self._fold()
+
+    def restart(self) -> None:
+        """Fold what was kept: the next recorded step need not follow the last one."""
+        self._fold()
+
+    def _fold(self) -> None:
+        """The first non-finite step among the kept losses, if none was found before (device ops)."""
+        if not self._losses:
+            return
+        bad = torch.isfinite(torch.stack(self._losses).float().reshape(-1)).logical_not()
+        first = self._first_step + torch.argmax(bad.to(torch.int8))  # argmax: the first maximum
+        fresh = torch.where(bad.any(), first.to(torch.int64), -1)
+        self._first_bad = torch.where(self._first_bad >= 0, self._first_bad, fresh.to(self._first_bad.device))
+        self._losses = []
 
     @torch.no_grad()
     def check(self, params: Sequence[nn.Parameter], step: int, resume_from: str) -> None:
@@ -44,6 +69,7 @@ class FiniteStateGuard:
 
         Collective: one all-gather. `resume_from` names the newest finite checkpoint.
         """
+        self._fold()
         weights_bad = bool(params) and not bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
         found = all_gather_objects((int(self._first_bad.item()), weights_bad))
         bad_steps = sorted(first for first, _ in found if first >= 0)  # type: ignore[misc]

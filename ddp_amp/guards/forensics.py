@@ -1,36 +1,33 @@
-"""Overflow forensics: after a skipped fp16 step, which rank's gradients went non-finite, and where.
+"""Overflow forensics: after fp16 steps were skipped, which rank's gradients went non-finite, and where.
 
-What "local" means here. Under DDP each rank's gradients are all-reduced bucket by bucket
-*during* backward, and one rank's inf becomes everyone's inf (inf + x = inf). The scaler's
-found-inf flags are computed after that reduction, so by the time the scaler looks, every
-rank sees the same non-finite values and the flag cannot say where they came from. The
-only place a rank's own gradients can be seen is before the bucket is reduced: a DDP
-communication hook. `OverflowProbe.comm_hook(inner)` is a hook that runs one check per
-bucket, "is the bucket's sum finite", on the rank's local (pre-reduction, already
-loss-scaled) gradients, and then the reduction (`inner`, or DDP's plain all-reduce); the
-caller hands it to `wrap_model`, the one place DDP hooks are registered.
+What "local" means here. Under DDP each rank's gradients are all-reduced during backward,
+and one rank's inf becomes everyone's (inf + x = inf). The scaler's found-inf flags are
+computed after that reduction, so every rank sees the same non-finite values and the flag
+cannot say where they came from. A rank's own gradient is visible in one place: as
+autograd accumulates it into `.grad`, before DDP's own hook copies it into a bucket to
+reduce. `OverflowProbe` checks it there, with a post-accumulate-grad hook per parameter.
 
-Cost. The per-bucket check is one sum over the gradient memory, kept on the device: no host
-sync per step on a GPU. The expensive part (per-parameter scan, an
-all-gather of what each rank saw) runs only after a skip has actually happened:
-- on a CPU the bucket flag can be read for free, so a bad bucket is scanned per parameter
-  at once and the names are exact;
-- on a GPU only the device-side per-bucket counts are kept, and the report names the first
-  parameters of each bucket that went bad on that rank (bucket granularity, ~25 MB).
-Without a process group (one process) there is no reduction: the gradients are local, and
-`scan_grads` names the parameters from `.grad` directly.
+Cost. Nothing while disarmed: no hook at all, and DDP keeps its built-in C++ all-reduce
+(a Python comm hook cost ~150 us of host time per step on a micro model, docs/facts.md).
+The watch arms the probe when it first sees skipped steps (at a check step), and disarms
+it after `ARMED_FOR` steps with no new skip. While armed, each parameter's gradient gets one sum
+and a flag per step; the flags are read only when an overflow is reported.
+
+So the first skips a run sees are reported without a rank (nothing checked their local
+gradients yet); skips while armed name the ranks and parameters exactly. Without a
+process group the gradients are local anyway: the watch scans `.grad` at the check step
+when that step was skipped (`scan_grads`), which names them at once.
 """
 
-# No `from __future__ import annotations` here: DDP's register_comm_hook compares the hook's
-# annotations with the real `dist.GradBucket` / `Future[Tensor]` objects, not strings.
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.utils.hooks import RemovableHandle
 
-from ddp_amp.dist import CommHook, all_gather_objects
+from ddp_amp.dist import all_gather_objects
+
+ARMED_FOR = 200  # steps the probe stays armed after the last check that saw new skips
 
 
 def _nonfinite(tensor: torch.Tensor) -> torch.Tensor:
@@ -42,91 +39,74 @@ def _sum_nonfinite(tensor: torch.Tensor) -> torch.Tensor:
     """0-d bool tensor, cheap: is the sum of `tensor` inf/NaN (no host sync).
 
     Any inf/NaN element makes the sum non-finite. One reduction pass with no temporary:
-    on a CPU ~40x cheaper than `isfinite(t).any()` over a 1M-element bucket (0.43 ms vs
-    18.6 ms). It can also fire for finite values whose sum exceeds fp32's range; that is
-    harmless here: it is read only after a skip, and names come from the exact check.
+    on a CPU ~40x cheaper than `isfinite(t).any()` over a 1M-element tensor (0.43 ms vs
+    18.6 ms). It can also fire for finite values whose sum exceeds fp32's range; the
+    exact check confirms before a name is reported.
     """
-    return torch.isfinite(tensor.sum()).logical_not()
+    return torch.isfinite(tensor.float().sum()).logical_not()
 
 
 class OverflowProbe:
-    """Per-rank record of non-finite local gradients, reported collectively after a skip."""
+    """Per-rank record of non-finite local gradients while armed, reported collectively."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], rank: int, device: torch.device,
-                 max_names: int = 5, exact: bool | None = None) -> None:
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], rank: int, max_names: int = 5) -> None:
         self.rank = rank
         self.max_names = max_names
-        self._names = {id(p): name for name, p in named_params}
         self._params = named_params
-        # Per-parameter names at once where reading a flag costs nothing (a CPU); `exact`
-        # overrides the choice (tests drive the GPU's bucket-granularity path on a CPU).
-        self._exact = device.type == "cpu" if exact is None else exact
-        self._hooked = False
-        self._inner_hook: Any = None
-        self._bucket_names: dict[int, list[str]] = {}  # bucket index -> its parameters' names
-        self._bucket_seen: dict[int, int] = {}
+        self._handles: list[RemovableHandle] = []
         self._reset()
 
     def _reset(self) -> None:
         self._bad_names: list[str] = []
-        self._local_bad = False
-        self._bucket_bad: dict[int, torch.Tensor] = {}
+        self._flags: dict[str, torch.Tensor] = {}  # name -> non-finite seen (device, read at report)
+        self._checked = False
 
-    def comm_hook(self, inner_hook: CommHook | None = None) -> CommHook:
-        """The DDP comm hook that checks each local bucket, then reduces it.
+    @property
+    def armed(self) -> bool:
+        return bool(self._handles)
 
-        `inner_hook` (e.g. a `--grad-comm-dtype` compression hook) or DDP's plain
-        all-reduce does the reduction: DDP takes one hook only, so the probe wraps the
-        other. Register it before the first backward (DDP's rule), as `wrap_model` does.
-        """
-        self._inner_hook = inner_hook
-        self._hooked = True
-        return self._hook
+    def arm(self) -> None:
+        """Check every parameter's local gradient from the next backward on."""
+        if self.armed:
+            return
+        for name, param in self._params:
+            self._handles.append(param.register_post_accumulate_grad_hook(
+                lambda p, name=name: self._check(name, p)))  # type: ignore[misc]
 
-    def _hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        bad = _sum_nonfinite(bucket.buffer())
-        if self._exact:
-            if bad.item():  # rare: only now the exact, per-parameter scan
-                self._note(zip(bucket.parameters(), bucket.gradients()))
-        else:
-            index = bucket.index()
-            previous = self._bucket_bad.get(index)
-            self._bucket_bad[index] = bad.to(torch.int32) if previous is None else previous + bad
-            # DDP rebuilds its buckets once, in the second iteration: take the names while
-            # a bucket index has been seen fewer than 3 times, then keep them (no per-step
-            # Python list of parameters).
-            seen = self._bucket_seen.get(index, 0)
-            if seen < 3:
-                self._bucket_seen[index] = seen + 1
-                self._bucket_names[index] = [self._names.get(id(p), "?") for p in bucket.parameters()]
-        if self._inner_hook is not None:
-            return self._inner_hook(None, bucket)
-        return allreduce_hook(None, bucket)  # type: ignore[arg-type]
+    def disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _check(self, name: str, param: nn.Parameter) -> None:
+        self._checked = True
+        if param.grad is None:
+            return
+        bad = _sum_nonfinite(param.grad)
+        previous = self._flags.get(name)
+        self._flags[name] = bad if previous is None else previous | bad
 
     def _note(self, pairs: Any) -> None:
-        """Exact check of each (parameter, local gradient): remember the first bad names."""
-        for param, grad in pairs:
-            if _nonfinite(grad).item():
-                self._local_bad = True
-                name = self._names.get(id(param), "?")
+        """Exact check of each (name, gradient): remember the first bad names."""
+        for name, grad in pairs:
+            if grad is not None and _nonfinite(grad).item():
                 if name not in self._bad_names and len(self._bad_names) < self.max_names:
                     self._bad_names.append(name)
 
     def scan_grads(self) -> None:
-        """Check `.grad` of every parameter: the local gradients where none were reduced.
-
-        Call after a skip is known, before `zero_grad`; used where no comm hook saw them.
-        """
-        if self._hooked:
-            return
-        self._note([(p, p.grad) for _, p in self._params if p.grad is not None])
+        """Check `.grad` of every parameter now: the local gradients where none were reduced
+        (one process). Call after a skip is known, before `zero_grad`."""
+        self._checked = True
+        self._note([(name, p.grad) for name, p in self._params])
 
     def _local_summary(self) -> dict[str, Any]:
-        if self._exact or not self._hooked:
-            return {"rank": self.rank, "nonfinite": self._local_bad, "params": list(self._bad_names)}
-        bad = [i for i, count in sorted(self._bucket_bad.items()) if int(count.item()) > 0]
-        names = [n for i in bad for n in self._bucket_names.get(i, [])][: self.max_names]
-        return {"rank": self.rank, "nonfinite": bool(bad), "params": names, "granularity": "bucket"}
+        if self._flags:  # one host read of all the flags, at report time only
+            flagged = torch.stack(list(self._flags.values())).tolist()
+            for name, bad in zip(self._flags, flagged):
+                if bad and name not in self._bad_names and len(self._bad_names) < self.max_names:
+                    self._bad_names.append(name)
+        return {"rank": self.rank, "checked": self._checked, "nonfinite": bool(self._bad_names),
+                "params": list(self._bad_names)}
 
     def report(self, step: int, skipped: int) -> dict[str, Any]:
         """Gather every rank's findings since the last report into one record (collective)."""
@@ -137,6 +117,7 @@ class OverflowProbe:
             "event": "overflow",
             "step": step,
             "skipped": skipped,
+            "checked": all(g["checked"] for g in gathered),  # type: ignore[index]
             "ranks": ranks,
             "params": {str(g["rank"]): g["params"] for g in gathered if g["nonfinite"]},  # type: ignore[index]
         }
@@ -144,7 +125,10 @@ class OverflowProbe:
 
 def describe(record: dict[str, Any]) -> str:
     """One log line for an overflow record."""
-    if record["ranks"]:
+    if not record.get("checked", True):
+        source = ("local gradients not checked yet: the check arms when skips are first seen and "
+                  "names the rank and parameters of the skips after it")
+    elif record["ranks"]:
         where = "; ".join(f"rank {r}: {', '.join(record['params'].get(str(r), [])) or '?'}"
                           for r in record["ranks"])
         source = f"non-finite local gradients on rank(s) {record['ranks']} ({where})"

@@ -1,7 +1,6 @@
 """The run's watchdogs on the training loop's cadence: overflow reports, loss-scale guard, sync guard.
 
-The trainer makes one `RunWatch` before it wraps the model (`comm_hook` gives the overflow
-probe's hook to DDP) and calls it at five points:
+The trainer makes one `RunWatch` and calls it at five points:
 - `after_update(step, loss)`: every step, after `scaler.update()` and before `zero_grad`
   (the skipped step's gradients are still there for forensics);
 - `before_checkpoint(step, resume_from)`: before every checkpoint, so none holds a
@@ -10,11 +9,14 @@ probe's hook to DDP) and calls it at five points:
 - `after_resume(step)`: once, right after a checkpoint was loaded;
 - `finish(step)`: after the last step (reports overflows not reported yet).
 
-Cost per step. Under fp16 the skip counters are read from the device every step on a CPU
-(free there) and every `check_every` steps on a GPU (each read is a host sync); the
-overflow report (an all-gather) runs only when a skip actually happened, and at a falling
-rate: the 1st, 2nd, 4th, 8th ... overflow event, and at least once per 1000 steps while
-they continue. bf16/fp32 runs do none of it; they check only that the logged loss is finite.
+Cost per step: none on the host beyond a list append. Under fp16 the skip counters are
+read from the device every `check_every` steps (at most the log cadence, and often enough
+to stop a skip streak near its limit; each read is a host sync on a GPU). When a check
+sees new skips the overflow probe arms itself for a while (forensics.py); the overflow
+report (an all-gather) runs only when skips happened, at a falling rate: the 1st, 2nd,
+4th, 8th ... overflow event, and at least once per 1000 steps while they continue.
+bf16/fp32 runs check that the logged loss is finite, and the finite guard keeps each
+step's loss on the device until a checkpoint looks at them.
 """
 
 from __future__ import annotations
@@ -27,10 +29,9 @@ import torch
 from torch import nn
 
 from ddp_amp.amp import AgreedGradScaler, LossScaleOptions
-from ddp_amp.dist import CommHook
 from ddp_amp.errors import TrainingHalted
 from ddp_amp.guards.finite import FiniteStateGuard
-from ddp_amp.guards.forensics import OverflowProbe, describe
+from ddp_amp.guards.forensics import ARMED_FOR, OverflowProbe, describe
 from ddp_amp.guards.loss_scale import LossScaleGuard, check_loss_finite
 from ddp_amp.guards.rank_sync import check_rank_sync
 from ddp_amp.metrics import RunLog
@@ -51,7 +52,8 @@ class RunWatch:
     """Loss-scale guard, overflow forensics and the rank-consistency guard for one rank."""
 
     def __init__(self, options: WatchOptions, named_params: list[tuple[str, nn.Parameter]],
-                 scaler: AgreedGradScaler, run_log: RunLog, rank: int, precision: str) -> None:
+                 scaler: AgreedGradScaler, run_log: RunLog, rank: int, precision: str,
+                 distributed: bool = False) -> None:
         self.scaler, self.run_log, self.precision = scaler, run_log, precision
         self.named_params = named_params
         self.options = options.loss_scale
@@ -59,25 +61,19 @@ class RunWatch:
         self.sync_every = options.check_sync_every
         device = next((p.device for _, p in named_params), None)
         self.finite = FiniteStateGuard(device or torch.device("cpu"), track_losses=not scaler.is_enabled())
+        self.distributed = distributed
         self.probe: OverflowProbe | None = None
         if scaler.is_enabled() and device is not None:
-            self.probe = OverflowProbe(named_params, rank, device)
+            self.probe = OverflowProbe(named_params, rank)
         limit = self.options.max_consecutive_skips or options.log_every
-        # A CPU reads device flags for free; on a GPU each read is a sync, so read at most
-        # every log step and often enough to stop a skip streak near its limit.
-        on_cpu = device is None or device.type == "cpu"
-        self.check_every = 1 if on_cpu else max(1, min(options.log_every, limit // 2))
+        # Each read of the device's counters is a host sync on a GPU: read at most every log
+        # step, and often enough to stop a skip streak near its limit.
+        self.check_every = max(1, min(options.log_every, limit // 2))
+        self._last_skips_seen = 0  # the check step that last saw new skips
         self._seen_skips = 0
         self._events = 0
         self._pending = 0
         self._last_report = 0
-
-    def comm_hook(self, inner: CommHook | None) -> CommHook | None:
-        """The DDP comm hook for the model: the overflow probe around `inner`, or `inner`.
-
-        Call before the model is wrapped; the hook goes to `wrap_model`.
-        """
-        return self.probe.comm_hook(inner) if self.probe is not None else inner
 
     def after_update(self, step: int, loss: torch.Tensor) -> None:
         """Per-step checks; `step` counts this step (collective on check steps, on all ranks)."""
@@ -87,6 +83,8 @@ class RunWatch:
             new, self._seen_skips = total - self._seen_skips, total
             if new:
                 self._overflowed(step, new)
+            elif self.probe.armed and step - self._last_skips_seen >= ARMED_FOR:
+                self.probe.disarm()  # the skips have stopped: back to no hooks at all
             try:
                 self.guard.check(self.scaler, step)
             except TrainingHalted as error:
@@ -114,9 +112,12 @@ class RunWatch:
     def finish(self, step: int) -> None:
         """At the end of training: report overflows not yet reported (collective)."""
         self._report(step)
+        if self.probe is not None:
+            self.probe.disarm()
 
     def after_resume(self, step: int) -> None:
         """Run right after loading a checkpoint, on every rank (collective)."""
+        self.finite.restart()
         self._seen_skips = int(self.scaler.skipped_steps().item()) if self.scaler.is_enabled() else 0
         self._last_report = step
         self.check_sync(step, when="after resume")
@@ -131,8 +132,11 @@ class RunWatch:
     def _overflowed(self, step: int, skipped: int) -> None:
         self._events += 1
         self._pending += skipped
-        if self.probe is not None and self.scaler.last_step_skipped().item():
-            self.probe.scan_grads()  # one process: the gradients of this step are local
+        self._last_skips_seen = step
+        if self.probe is not None:
+            if not self.distributed and self.scaler.last_step_skipped().item():
+                self.probe.scan_grads()  # one process: the gradients of this step are local
+            self.probe.arm()  # the local gradients of the next steps get checked
         power_of_two = self._events & (self._events - 1) == 0
         if power_of_two or step - self._last_report >= REPORT_AT_LEAST_EVERY:
             self._report(step)

@@ -38,6 +38,8 @@ from ddp_amp.trainer.lr_steps import TakenStepScheduler
 from ddp_amp.trainer.optimizers import make_optimizer
 from ddp_amp.trainer.stream import BatchStream
 
+_NOTHING = nullcontext()  # reusable: nullcontext keeps no state
+
 
 class Trainer:
     """Builds DDP(AutocastModule(model)), optimizer, scaler and data for one rank, and trains."""
@@ -49,12 +51,16 @@ class Trainer:
         self.scaler = precision.make_scaler(**config.loss_scale_options().scaler_kwargs())
         user_model = task.model.to(self.device)
         named = [(n, p) for n, p in user_model.named_parameters() if p.requires_grad]
-        self.watch = RunWatch(config.watch_options(), named, self.scaler, run_log, ctx.rank, precision.name)
-        # DDP takes one comm hook: the overflow probe (fp16) around the --grad-comm-dtype one.
-        hook = self.watch.comm_hook(comm_hook(config.grad_comm_dtype, ctx.backend or "gloo")) \
-            if ctx.has_group else None
+        self.watch = RunWatch(config.watch_options(), named, self.scaler, run_log, ctx.rank, precision.name,
+                              distributed=ctx.has_group)
+        # A Python comm hook only where --grad-comm-dtype needs one; else DDP's C++ all-reduce.
+        hook = comm_hook(config.grad_comm_dtype, ctx.backend or "gloo") if ctx.has_group else None
         self.model = wrap_model(user_model, precision, self.device, distributed=ctx.has_group,
                                 compile_model=config.compile, comm_hook=hook, static_graph=config.static_graph)
+        self._ddp = isinstance(self.model, DDP)
+        # Without DDP the step calls the wrapped module itself: the step's own autocast region
+        # is the one the wrapper would enter, and skipping the wrapper saves a module call.
+        self._forward = self.model if self._ddp else self.model.unwrap()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(task, config.optimizer, self.params,
                                         config.lr or task.default_lr, self.device, config.optimizer_impl)
@@ -82,19 +88,27 @@ class Trainer:
         return self.model.module if isinstance(self.model, DDP) else self.model
 
     def train_step(self) -> torch.Tensor:
-        """One optimizer step over `grad_accum` micro-batches; returns the loss (device tensor)."""
+        """One optimizer step over `grad_accum` micro-batches; returns the loss (device tensor).
+
+        Steady-state steps read nothing from the device (tests/test_host_reads.py): flags,
+        counters and losses stay there until a log, check or checkpoint step reads them.
+        """
         accum = self.config.grad_accum
-        step_loss = torch.zeros((), device=self.device)
+        step_loss: torch.Tensor | None = None
         for micro in range(accum):
             inputs, target = next(self.stream)
             last = micro == accum - 1
-            sync = nullcontext() if last or not isinstance(self.model, DDP) else self.model.no_sync()
+            sync = self.model.no_sync() if not last and self._ddp else _NOTHING
             with sync:
-                output = self.model(inputs)
-                with self.precision.autocast():  # the loss under autocast, as in the recipe
-                    loss = self.task.loss_fn(output, target) / accum
+                # Forward and loss in one autocast region, as in the recipe; the wrapper
+                # inside DDP sees it is already in effect and does not enter it again.
+                with self.precision.autocast():
+                    loss = self.task.loss_fn(self._forward(inputs), target)
+                if accum > 1:
+                    loss = loss / accum
                 scaled_backward(self.scaler, loss)
-            step_loss += loss.detach().float()
+            detached = loss.detach()
+            step_loss = detached if step_loss is None else step_loss + detached
         amp_step(self.scaler, (self.optimizer,), clip_grad_norm=self.clip_grad_norm, clip_params=self.params)
         self.watch.after_update(self.step + 1, step_loss)  # before zero_grad: forensics reads the grads
         self.optimizer.zero_grad(set_to_none=True)
@@ -102,7 +116,7 @@ class Trainer:
             self.lr_steps.after_step()
         self.step += 1
         self.samples_seen += self.config.batch_size
-        return step_loss
+        return step_loss.float()  # type: ignore[union-attr]
 
     def _mean_across_ranks(self, value: torch.Tensor) -> float:
         """Average a scalar over ranks (collective; called on logging steps only)."""
