@@ -14,6 +14,7 @@ checkpoint steps only. Two ways to see them:
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -107,7 +108,8 @@ def _session_reads(ctx: DistContext, device: str) -> list[dict[str, Any]]:
     """Collective: Session steps with clipping and accumulation, fp16 and bf16."""
     results = []
     for precision, accum, clip in (("fp16", 2, 1.0), ("fp16", 1, None), ("bf16", 2, 1.0), ("fp32", 1, 1.0)):
-        with Session(precision, device, environ={}) if not ctx.has_group else _session(precision, device) as session:
+        # One process: an empty environment, so no group; two ranks: join the spawned group.
+        with Session(precision, device, environ=None if ctx.has_group else {}) as session:
             torch.manual_seed(0)
             model = session.setup(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -115,7 +117,7 @@ def _session_reads(ctx: DistContext, device: str) -> list[dict[str, Any]]:
 
             def step() -> None:
                 for index, (x, y) in enumerate(batches):
-                    context = session.no_sync(model) if index < accum - 1 else _nothing()
+                    context = session.no_sync(model) if index < accum - 1 else nullcontext()
                     with context:
                         with session.autocast():
                             loss = nn.functional.mse_loss(model(x), y) / accum
@@ -128,15 +130,6 @@ def _session_reads(ctx: DistContext, device: str) -> list[dict[str, Any]]:
             reads = _count(lambda: [step() for _ in range(MEASURED)], device)
             results.append({"case": f"session {precision} accum={accum} clip={clip}", "reads": dict(reads)})
     return results
-
-
-def _session(precision: str, device: str) -> Session:
-    return Session(precision, device)  # joins the group the spawned ranks already formed
-
-
-def _nothing() -> Any:
-    from contextlib import nullcontext
-    return nullcontext()
 
 
 def _assert_no_reads(results: list[dict[str, Any]]) -> None:

@@ -132,7 +132,7 @@ class AgreedGradScaler(torch.amp.GradScaler):
     def last_step_skipped(self) -> torch.Tensor:
         """0-d float tensor on the scaler's device: 1 if the last `update()` followed a skip, else 0.
 
-        The agreed found-inf flag itself, not a copy: read it before the next step.
+        The agreed found-inf flag itself, not a copy (the scaler makes a new one each step).
         """
         if self._last_skipped is None:
             if self._no_skip is None:
