@@ -43,7 +43,7 @@ def train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     function returns, before the caller destroys the process group (docs/facts.md: a gloo
     group torn down under a live DDP reducer can abort the process).
     """
-    precision = resolve_precision(config.precision, ctx.device)
+    precision = resolve_precision(config.precision, ctx.device, config.fp8_emulate)
     # A task that fails to build on some ranks only fails on every rank, with its message.
     task = on_every_rank(lambda: prepare_task(config, ctx))  # before anything is written
     run_dir = run_directory(config, ctx)

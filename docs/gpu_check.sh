@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The GPU checks behind docs/benchmarks.md "GPU figures": the CUDA tests, the CLI on one GPU
-# (plain, torchrun + NCCL, two ranks sharing the GPU over gloo), the fp32 rounding-order
-# controls that docs/parity.sh can use on a GPU, then the benchmark. Repository root, on a
-# CUDA machine with a CUDA build of torch and the project's dependencies (pip install -e '.[test]').
-# Usage: bash docs/gpu_check.sh [OUT_DIR]   (about 4 minutes on one H100)
+# The GPU checks behind docs/benchmarks.md's GPU figures. Part "checks": the CUDA tests, the
+# CLI on one GPU (plain, torchrun + NCCL, two ranks sharing the GPU over gloo), the fp32
+# rounding-order controls that docs/parity.sh can use on a GPU. Part "bench": every section of
+# the benchmark, the host, overhead and fast-path ones also as DDP over NCCL on a group of one,
+# the transformer one with fp8 where torchao is installed. Repository root, on a CUDA machine
+# with a CUDA build of torch and the project's dependencies (pip install -e '.[test,fp8]').
+# Usage: bash docs/gpu_check.sh [OUT_DIR] [checks|bench|all]
+# (checks about 4 minutes on one H100, bench about 12)
 set -uo pipefail
 out=${1:-runs/gpu-check}
+part=${2:-all}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 step() {  # step SECONDS COMMAND...: run it with a time limit, print its exit code, go on
@@ -17,7 +21,9 @@ step() {  # step SECONDS COMMAND...: run it with a time limit, print its exit co
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 python -c "import sys, torch; print(sys.version.split()[0], torch.__version__, 'cuda', torch.version.cuda,
 torch.cuda.get_device_name(0), 'nccl', torch.cuda.nccl.version())"
+python -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1
 
+if [[ $part == checks || $part == all ]]; then
 step 180 python -m pytest -q -p no:cacheprovider -m cuda tests
 # The default run: --device auto takes the GPU, --precision auto takes bf16 there.
 step 120 python -m ddp_amp.train --run-dir "$out/default"
@@ -47,5 +53,10 @@ for name in ("none-again", "cublaslt", "noworkspace"):
     print(f"control {name}: {len(other)} steps, max |loss - fp32| {max(diffs, default=float('nan')):.3g}, "
           f"at step 30 {diffs[-1] if diffs else float('nan'):.3g}")
 EOF
+fi
 
-step 420 python -m ddp_amp.bench --json "$out/bench-gpu.json"
+if [[ $part == bench || $part == all ]]; then
+  step 300 python -m ddp_amp.bench --sections recipe,host,overhead,fastpaths --json "$out/bench-gpu.json"
+  step 300 python -m ddp_amp.bench --sections host,overhead,fastpaths --backend nccl --json "$out/bench-gpu-ddp1.json"
+  step 560 python -m ddp_amp.bench --sections transformer --json "$out/transformer.json"
+fi

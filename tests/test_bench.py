@@ -31,7 +31,8 @@ def _sane_ratio(ratio: dict[str, Any]) -> None:
 def test_help_describes_every_section() -> None:
     result = _bench("--help", timeout=60)
     assert result.returncode == 0, result.stderr
-    for word in ("--json", "--scale", "--sections", "overhead", "fastpaths", "GradScaler", "peak RSS"):
+    for word in ("--json", "--scale", "--sections", "overhead", "fastpaths", "GradScaler", "peak RSS",
+                 "transformer", "MFU"):
         assert word in result.stdout, word
 
 
@@ -80,3 +81,17 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tmp_path: Path) -> Non
     assert len(measured) >= 5
     for row in measured:
         _sane_ratio(row["ratio"])
+    transformer = report["sections"]["transformer"]
+    rows = {row["precision"]: row for row in transformer["rows"]}
+    assert set(rows) == {"fp32", "bf16", "fp16", "fp8"}
+    assert "compute capability 8.9" in rows["fp8"]["skipped"]  # no float8 matmuls on a CPU: says why
+    for name in ("fp32", "bf16", "fp16"):
+        row = rows[name]
+        _sane_ratio(row["trainer_over_hand"])
+        assert row["tokens_per_s"] > 0 and row["flops_per_step"] > 0 and row["tflops"] > 0
+        assert row["mfu"] is None  # no known peak on a CPU: no guessed MFU
+    # 6 x parameters x tokens is the usual estimate of a step's matmul FLOPs; the count
+    # leaves out embedding lookups and adds attention, so it lands near the estimate.
+    estimate = 6 * transformer["parameters"] * transformer["shape"]["batch"] * transformer["shape"]["sequence"]
+    assert 0.5 * estimate < rows["fp32"]["flops_per_step"] < 2 * estimate
+    assert "Transformer: GPT-2-shaped decoder" in text and "fp8: not run" in text

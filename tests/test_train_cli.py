@@ -27,7 +27,8 @@ def test_torchrun_two_ranks_trains_in_every_precision(precision: str, tmp_path: 
 
 
 @pytest.mark.parametrize(("args", "fragment"), [
-    (["--precision", "fp8"], "--precision='fp8': expected one of auto, fp32, bf16, fp16"),
+    (["--precision", "fp4"], "--precision='fp4': expected one of auto, fp32, bf16, fp16, fp8"),
+    (["--precision", "fp8"], "--precision='fp8': expected a GPU with float8 matmuls"),
     (["--max-stpes", "3"], "did you mean --max-steps?"),
     (["--batch-size", "63", "--grad-accum", "2"], "--batch-size=63: expected a multiple of world size x --grad-accum"),
     (["--task", "no_such_module:make"], "--task='no_such_module:make': expected an importable module"),

@@ -1,7 +1,9 @@
-"""Which precision a run uses, and why: `--precision auto|fp32|bf16|fp16` resolved per device.
+"""Which precision a run uses, and why: `--precision auto|fp32|bf16|fp16|fp8` resolved per device.
 
 A `Precision` owns the autocast settings and builds the matching scaler, so the loop never
-branches on dtype: bf16 and fp32 get a disabled scaler whose calls pass straight through.
+branches on dtype: bf16, fp8 and fp32 get a disabled scaler whose calls pass straight
+through. fp8 is bf16 autocast plus float8 linear layers (float8.py), which `wrap_model`
+converts.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from typing import Any, Literal
 import torch
 
 from ddp_amp.errors import UsageError
+from ddp_amp.amp.float8 import fp8_unavailable
 from ddp_amp.amp.scaler import AgreedGradScaler
 
-PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16"]
-PRECISION_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
+PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16", "fp8"]
+PRECISION_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16", "fp8")
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8 autocasts to bf16: only the linear layers' matmuls run in float8.
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 _NOTHING = nullcontext()  # reusable: nullcontext keeps no state
 
 
@@ -26,9 +30,10 @@ _NOTHING = nullcontext()  # reusable: nullcontext keeps no state
 class Precision:
     """A resolved precision: the name, the device type it runs on and why it was chosen."""
 
-    name: Literal["fp32", "bf16", "fp16"]
+    name: Literal["fp32", "bf16", "fp16", "fp8"]
     device_type: str
     reason: str = ""
+    emulate_fp8: bool = False  # fp8 through ordinary matmuls (any device; slow)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -42,6 +47,10 @@ class Precision:
     def uses_loss_scaling(self) -> bool:
         # bf16 has fp32's exponent range, so its gradients do not underflow: no scaling.
         return self.name == "fp16"
+
+    @property
+    def float8_linears(self) -> bool:
+        return self.name == "fp8"
 
     def autocast(self) -> AbstractContextManager[Any]:
         """Autocast for this thread only: use it for eval or a loss, not for a model's forward.
@@ -85,8 +94,11 @@ def _resolve_auto(device: torch.device) -> Precision:
                      "precision would run many times slower; ask for --precision bf16/fp16 to force it")
 
 
-def resolve_precision(choice: str, device: torch.device) -> Precision:
-    """Turn a `--precision` choice into a `Precision` for `device`, or raise with a hint."""
+def resolve_precision(choice: str, device: torch.device, emulate_fp8: bool = False) -> Precision:
+    """Turn a `--precision` choice into a `Precision` for `device`, or raise with a hint.
+
+    `emulate_fp8` lets fp8 run on any device through torchao's emulation (for tests).
+    """
     if choice not in PRECISION_CHOICES:
         raise UsageError("--precision", choice, "one of " + ", ".join(PRECISION_CHOICES),
                          "fp16 and bf16 are the mixed-precision modes; auto picks per device")
@@ -94,6 +106,8 @@ def resolve_precision(choice: str, device: torch.device) -> Precision:
         return _resolve_auto(device)
     if choice == "fp32":
         return Precision("fp32", device.type, "requested")
+    if choice == "fp8":
+        return _resolve_fp8(device, emulate_fp8)
     dtype = _DTYPES[choice]
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(
             including_emulation=False):
@@ -106,3 +120,14 @@ def resolve_precision(choice: str, device: torch.device) -> Precision:
     if device.type == "cpu" and not cpu_has_native_bf16():
         reason = "requested; this CPU has no native low-precision units, expect it to be slow"
     return Precision(choice, device.type, reason)  # type: ignore[arg-type]
+
+
+def _resolve_fp8(device: torch.device, emulate: bool) -> Precision:
+    why_not = fp8_unavailable(device, emulate)
+    if why_not is not None:
+        raise UsageError("--precision", "fp8", "a GPU with float8 matmuls and torchao installed", why_not)
+    if not _autocast_honours(device.type, torch.bfloat16):
+        raise UsageError("--precision", "fp8", "a device whose autocast supports bf16",
+                         f"{device.type} cannot run bf16 autocast; use --precision fp32")
+    reason = "requested; emulated float8 matmuls (slow)" if emulate else "requested; float8 matmuls"
+    return Precision("fp8", device.type, reason, emulate_fp8=emulate)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ddp_amp.amp.autocast import AutocastModule
+from ddp_amp.amp.float8 import convert_linears
 from ddp_amp.amp.precision import Precision
 from ddp_amp.dist import CommHook, wrap_ddp
 
@@ -27,6 +28,8 @@ def wrap_model(model: nn.Module, precision: Precision, device: torch.device, *, 
     `comm_hook` and `ddp_options` (static_graph, find_unused_parameters, ...) go to DDP.
     """
     inner = model.to(device)
+    if precision.float8_linears:  # before compiling, so the float8 casts are compiled too
+        inner = convert_linears(inner, emulate=precision.emulate_fp8)
     if compile_model:
         inner = torch.compile(inner)
     wrapped = AutocastModule(inner, precision.device_type, precision.dtype,

@@ -3,6 +3,7 @@
     python -m ddp_amp.bench                         # all sections; recipe sizes on a GPU
     python -m ddp_amp.bench --sections recipe       # only the AMP recipe trials
     python -m ddp_amp.bench --sections host --check # the Trainer's host time; exit 1 off target
+    python -m ddp_amp.bench --sections transformer  # GPT-2 small: tokens/s, memory, MFU (GPU)
     python -m ddp_amp.bench --json bench.json       # also write the figures as JSON
     python -m ddp_amp.bench --help                  # every option
 
@@ -25,9 +26,9 @@ from typing import Any, NoReturn
 
 import torch
 
-from ddp_amp.bench import amp_recipe, fastpaths, host, overhead, table
+from ddp_amp.bench import amp_recipe, fastpaths, host, overhead, table, transformer
 
-SECTIONS = ("recipe", "host", "overhead", "fastpaths")
+SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,8 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the median of paired per-step ratios with its spread, on the recipe model and on a tiny model "
         "(2 x Linear(256,256), batch 64) where Python overhead dominates, plus the cost of the agreed "
         "overflow decision; (fastpaths) fused/foreach optimizer, set_to_none, gradient_as_bucket_view, "
-        "static graph, grad-comm dtype, torch.compile, pinned non-blocking copies (CUDA). Defaults "
-        "depend on the device: recipe sizes on CUDA, 1/16 of them and short runs on CPU.")
+        "static graph, grad-comm dtype, torch.compile, pinned non-blocking copies (CUDA); (transformer) a "
+        "GPT-2-small-shaped decoder (124M parameters, 8 x 1024 tokens; a 2-layer miniature on CPU), hand "
+        "loop vs Trainer, fp32/bf16/fp16/fp8, eager and compiled: tokens/s, peak memory, TFLOP/s and MFU "
+        "from torch's FLOP counter. Defaults depend on the device: recipe sizes on CUDA, 1/16 of them and "
+        "short runs on CPU.")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated sections to run, from {', '.join(SECTIONS)} (default: all)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
@@ -70,7 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps-per-block", type=int, default=None,
                         help="overhead/fastpaths: steps per block (default: 10 on CUDA, 4 on CPU)")
     parser.add_argument("--with-compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="fastpaths: include torch.compile (default: on CUDA only; compiling takes minutes on a CPU)")
+                        help="fastpaths, transformer: include torch.compile (default: on CUDA only; "
+                        "compiling takes minutes on a CPU)")
+    parser.add_argument("--transformer-precisions", default=",".join(transformer.PRECISIONS),
+                        help="transformer: comma-separated precisions (default: fp32,bf16,fp16,fp8; fp8 "
+                        "rows say why where the device has no float8 matmuls)")
+    parser.add_argument("--transformer-batch", type=int, default=None,
+                        help="transformer: sequences per step (default: 8 of 1024 tokens on CUDA, 4 of 64 on CPU)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per process (default: all cores for recipe trials, cores/ranks for ranks)")
     parser.add_argument("--check", action="store_true",
@@ -98,6 +108,9 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     # The host section's steps are ~0.1-1 ms: it keeps its own counts unless told otherwise.
     args.host_blocks = args.blocks or host.BLOCKS
     args.host_steps = args.steps_per_block or host.STEPS_PER_BLOCK
+    # A transformer step is 20-200 ms on a GPU: fewer, shorter blocks for the same confidence.
+    args.transformer_blocks = args.blocks or (10 if cuda else 4)
+    args.transformer_steps = args.steps_per_block or (4 if cuda else 2)
     args.blocks = args.blocks or (20 if cuda else 8)
     args.steps_per_block = args.steps_per_block or (10 if cuda else 4)
     args.with_compile = cuda if args.with_compile is None else args.with_compile
@@ -106,10 +119,14 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.trial_threads = args.threads or 0
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     args.trials = tuple(t.strip() for t in args.trials.split(",") if t.strip())
-    bad = [s for s in args.sections if s not in SECTIONS] + [t for t in args.trials if t not in amp_recipe.TRIALS]
-    if bad or args.scale <= 0 or min(args.batches, args.epochs, args.ranks, args.blocks, args.steps_per_block) < 1:
+    args.transformer_precisions = tuple(t.strip() for t in args.transformer_precisions.split(",") if t.strip())
+    bad = ([s for s in args.sections if s not in SECTIONS] + [t for t in args.trials if t not in amp_recipe.TRIALS]
+           + [t for t in args.transformer_precisions if t not in transformer.PRECISIONS])
+    counts = (args.batches, args.epochs, args.ranks, args.blocks, args.steps_per_block, args.transformer_batch or 1)
+    if bad or args.scale <= 0 or min(counts) < 1:
         _fail(f"bad value {bad[0] if bad else 'among the numbers'}; "
-              f"sections {', '.join(SECTIONS)}, trials {', '.join(amp_recipe.TRIALS)}, "
+              f"sections {', '.join(SECTIONS)}, trials {', '.join(amp_recipe.TRIALS)}, transformer "
+              f"precisions {', '.join(transformer.PRECISIONS)}, "
               "--scale > 0, counts >= 1 (see --help)")
     return args
 
@@ -147,6 +164,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 backend=args.backend)
         report["sections"]["fastpaths"] = section
         print("\n" + table.fastpaths_table(section), flush=True)
+    if "transformer" in args.sections:
+        section = transformer.run(args.device, args.with_compile, args.transformer_blocks, args.transformer_steps,
+                                  args.transformer_precisions, backend=args.backend, batch=args.transformer_batch)
+        report["sections"]["transformer"] = section
+        print("\n" + table.transformer_table(section), flush=True)
     return report
 
 

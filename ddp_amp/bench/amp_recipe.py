@@ -20,25 +20,10 @@ from ddp_amp.dist import DistContext
 from ddp_amp.metrics import peak_memory_mb
 from ddp_amp.errors import UsageError
 from ddp_amp.amp import resolve_precision
+from ddp_amp.bench.peaks import dense_peak_tflops
 
 TRIALS = ("fp32", "fp16", "bf16")
 WARMUP_STEPS = 3
-
-# Dense bf16 tensor-core peak, TFLOP/s, by a substring of the GPU's name (vendor data sheets).
-_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0,
-                     "L4": 121.0, "A10": 125.0}
-
-
-def bf16_peak_tflops(device: torch.device) -> float | None:
-    """The GPU's dense bf16 peak in TFLOP/s if known (None on CPU or an unknown GPU)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, peak in _BF16_PEAK_TFLOPS.items():
-        if key in name:
-            return peak
-    return None
-
 
 def _trial(ctx: DistContext, name: str, size: RecipeSize, batches: int, epochs: int) -> dict[str, Any]:
     """One trial in this (fresh) process: warm up, then time `epochs` x `batches` steps."""
@@ -66,7 +51,7 @@ def _trial(ctx: DistContext, name: str, size: RecipeSize, batches: int, epochs: 
     result = {"precision": name, "total_s": total, "step_ms": 1e3 * total / steps, "steps": steps,
               "peak_mem_mb": peak_memory_mb(device),
               "peak_over_start_mb": peak_memory_mb(device) - at_start, "final_loss": float(loss.float().item())}
-    peak = bf16_peak_tflops(device)
+    peak = dense_peak_tflops(device, "bf16")
     achieved = size.flops_per_step() * steps / total / 1e12
     result["tflops"] = achieved
     result["mfu_vs_bf16_peak"] = achieved / peak if peak else None

@@ -14,6 +14,7 @@ The Trainer's data stream is replaced by the same pre-made batches the hand loop
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -37,13 +38,23 @@ N_BATCHES = 8  # distinct pre-made batches per rank, cycled
 def make_trainer(ctx: DistContext, size: RecipeSize, precision: Precision,
                  batches: list[tuple[torch.Tensor, torch.Tensor]], **options: Any) -> Trainer:
     """A Trainer on the recipe model whose data stream is the given pre-made batches."""
-    config = TrainConfig(batch_size=size.batch * ctx.world_size, max_steps=10**9, log_every=10**9,
-                         optimizer="sgd", lr=1e-3, precision=precision.name, device=ctx.device.type,
-                         **options)
+    return trainer_on_batches(ctx, seeded_model(size, ctx.device), nn.functional.mse_loss, precision, batches,
+                              optimizer="sgd", **options)
+
+
+def trainer_on_batches(ctx: DistContext, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
+                       precision: Precision, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                       optimizer: str, **options: Any) -> Trainer:
+    """A Trainer on `model` whose data stream cycles through `batches` (already on the device).
+
+    `options` are further `TrainConfig` fields (compile, static_graph, ...).
+    """
+    config = TrainConfig(batch_size=batches[0][0].shape[0] * ctx.world_size, max_steps=10**9,
+                         log_every=10**9, optimizer=optimizer, lr=1e-3, precision=precision.name,
+                         fp8_emulate=precision.emulate_fp8, device=ctx.device.type, **options)
     inputs = torch.cat([x.cpu() for x, _ in batches])
     targets = torch.cat([y.cpu() for _, y in batches])
-    task = Task(model=seeded_model(size, ctx.device), train_data=TensorDataset(inputs, targets),
-                loss_fn=nn.functional.mse_loss, name="bench")
+    task = Task(model=model, train_data=TensorDataset(inputs, targets), loss_fn=loss_fn, name="bench")
     trainer = build_trainer(config, ctx, task=task, precision=precision)
     trainer.stream = itertools.cycle(batches)  # type: ignore[assignment]
     return trainer

@@ -8,6 +8,7 @@ without ddp_amp: autocast around forward and loss, `GradScaler`, DDP, `scaler.st
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_amp.amp import Precision
+from ddp_amp.amp.float8 import convert_linears
 from ddp_amp.tasks.mlp import make_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -61,19 +63,30 @@ def sync(device: torch.device) -> None:
 
 
 class HandLoop:
-    """The recipe's loop under DDP, as users write it: the baseline ddp_amp is compared with."""
+    """The recipe's loop under DDP, as users write it: the baseline ddp_amp is compared with.
+
+    `compile_model` compiles the model before DDP wraps it, the order torch's DDP and
+    compile tutorials show; fp8 converts the linear layers first, as torchao's does.
+    """
 
     def __init__(self, model: nn.Module, precision: Precision, device: torch.device, distributed: bool,
                  lr: float = 1e-3, fused: bool | None = None, set_to_none: bool = True,
-                 bucket_view: bool = False, static_graph: bool = False) -> None:
-        self.device, self.precision, self.set_to_none = device, precision, set_to_none
+                 bucket_view: bool = False, static_graph: bool = False,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.mse_loss,
+                 optimizer: str = "sgd", compile_model: bool = False) -> None:
+        self.device, self.precision, self.set_to_none, self.loss_fn = device, precision, set_to_none, loss_fn
+        if precision.float8_linears:
+            model = convert_linears(model, emulate=precision.emulate_fp8)
+        if compile_model:
+            model = torch.compile(model)
         if distributed:
             device_ids = [device.index] if device.type == "cuda" else None
             model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=bucket_view,
                         static_graph=static_graph)
         self.model = model
         kwargs = {} if fused is None else ({"fused": True} if fused else {"foreach": True})
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=lr, **kwargs)
+        kind = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+        self.optimizer = kind(model.parameters(), lr=lr, **kwargs)
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision.uses_loss_scaling)
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -82,7 +95,7 @@ class HandLoop:
         with torch.autocast(self.device.type, dtype=self.precision.dtype,
                             enabled=self.precision.autocast_enabled):
             output = self.model(inputs)
-            loss = nn.functional.mse_loss(output, target)
+            loss = self.loss_fn(output, target)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.optimizer)
         self.scaler.update()

@@ -89,3 +89,32 @@ def fastpaths_table(section: dict[str, Any]) -> str:
         else:
             rows.append([row["name"], row["off_ms"], row["on_ms"], ratio_text(row["ratio"])])
     return title + "\n" + grid(["fast path", "off_ms", "on_ms", "ratio on/off [spread]"], rows)
+
+
+def transformer_table(section: dict[str, Any]) -> str:
+    shape = section["shape"]
+    title = (f"Transformer: GPT-2-shaped decoder, {shape['layers']} layers, width {shape['width']}, "
+             f"{shape['heads']} heads, vocab {shape['vocab']}, {section['parameters'] / 1e6:.1f}M parameters, "
+             f"batch {shape['batch']} x {shape['sequence']} tokens, fused AdamW; {section['blocks']} interleaved "
+             f"blocks x {section['steps_per_block']} steps; MFU against the GPU's dense peak for the precision")
+    rows, notes = [], []
+    for row in section["rows"]:
+        mode = "compiled" if row.get("compiled") else "eager"
+        if "skipped" in row:
+            notes.append(f"{row['precision']}: not run: {row['skipped']}")
+            continue
+        if "failed" in row:
+            notes.append(f"{row['precision']} {mode}: failed: {row['failed'][:300]}")
+            continue
+        peaks = row["peak_mem_mb"]
+        loss_eager = row.get("loss_eager_over_compiled")
+        rows.append([row["precision"], mode, row["step_ms"]["hand"], row["step_ms"]["trainer"],
+                     ratio_text(row["trainer_over_hand"]), row["tokens_per_s"], row["tflops"], row["mfu"],
+                     peaks.get("hand"), peaks.get("trainer"),
+                     f"{loss_eager['median']:.3f}" if loss_eager else "-"])
+    text = title + "\n" + grid(["precision", "mode", "hand ms", "trainer ms", "trainer / hand",
+                                "tokens/s", "TFLOP/s", "MFU", "hand peak MB", "trainer peak MB",
+                                "loss eager / compiled"], rows)
+    if "fp8_speedup_over_bf16_compiled" in section:
+        notes.append(f"fp8 over bf16, compiled Trainer steps: {section['fp8_speedup_over_bf16_compiled']:.3f}x faster")
+    return "\n".join([text, *notes])

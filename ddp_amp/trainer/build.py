@@ -42,6 +42,6 @@ def build_trainer(config: TrainConfig, ctx: DistContext, run_log: RunLog | None 
     `resolve_precision`; pass them where the caller made them earlier (the CLI checks
     everything before it writes anything). `run_log` defaults to a quiet one.
     """
-    precision = precision or resolve_precision(config.precision, ctx.device)
+    precision = precision or resolve_precision(config.precision, ctx.device, config.fp8_emulate)
     task = task if task is not None else prepare_task(config, ctx)
     return Trainer(config, task, ctx, precision, run_log or QuietRunLog(ctx.rank), checkpoint_root)

@@ -61,6 +61,10 @@ class Trainer:
         # Without DDP the step calls the wrapped module itself: the step's own autocast region
         # is the one the wrapper would enter, and skipping the wrapper saves a module call.
         self._forward = self.model if self._ddp else self.model.unwrap()
+        # --compile compiles the loss on its own as well: a cross-entropy over a large
+        # vocabulary then runs as fused kernels instead of materialising fp32 log-probabilities
+        # (docs/benchmarks.md, the transformer section).
+        self._loss_fn = torch.compile(task.loss_fn) if config.compile else task.loss_fn
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(task, config.optimizer, self.params,
                                         config.lr or task.default_lr, self.device, config.optimizer_impl)
@@ -103,7 +107,7 @@ class Trainer:
                 # Forward and loss in one autocast region, as in the recipe; the wrapper
                 # inside DDP sees it is already in effect and does not enter it again.
                 with self.precision.autocast():
-                    loss = self.task.loss_fn(self._forward(inputs), target)
+                    loss = self._loss_fn(self._forward(inputs), target)
                 if accum > 1:
                     loss = loss / accum
                 scaled_backward(self.scaler, loss)
