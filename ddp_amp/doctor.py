@@ -31,6 +31,7 @@ from ddp_amp.dist import (DistContext, all_gather_objects, all_reduce_, init_dis
 from ddp_amp.env import DistEnv, detect_env, launched_by_srun, launched_by_torchrun
 from ddp_amp.errors import UsageError
 from ddp_amp.amp import resolve_precision
+from ddp_amp.amp.float8 import fp8_unavailable
 
 Finding = tuple[str, str]  # (level: ok | warn | error, message)
 
@@ -125,6 +126,8 @@ def diagnose(environ: Mapping[str, str], device: str = "auto", backend: str = "a
         facts["backend"] = resolve_backend(backend, chosen) if env.is_distributed else "none (one process)"  # type: ignore[arg-type]
         auto = resolve_precision("auto", chosen)
         facts["precision_auto"] = f"{auto.name} ({auto.reason})"
+        why_no_fp8 = fp8_unavailable(chosen, emulate=False)
+        facts["precision_fp8"] = "available" if why_no_fp8 is None else f"not available: {why_no_fp8}"
     except UsageError as error:
         findings.append(("error", f"device/backend: {error}"))
     if env.is_distributed:

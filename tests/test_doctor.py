@@ -27,6 +27,9 @@ def test_single_process_reports_launcher_device_and_auto_precision() -> None:
     expected_device = "cuda" if torch.cuda.is_available() else "cpu"
     assert env is not None and facts["launcher"] == "single" and facts["device"].startswith(expected_device)
     assert facts["precision_auto"].startswith(("fp32", "bf16", "fp16"))
+    if expected_device == "cpu":  # a CPU has no float8 matmuls: the doctor says so, and why
+        assert facts["precision_fp8"].startswith("not available:")
+        assert "8.9" in facts["precision_fp8"] or "torchao" in facts["precision_fp8"]
     assert not _levels(findings, "error")
 
 
