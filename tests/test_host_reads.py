@@ -68,6 +68,9 @@ TRAINER_CASES = [
     ("mlp", "fp16", {"grad_accum": 2, "clip_grad_norm": 0.5}),
     ("mlp", "bf16", {"grad_accum": 2, "clip_grad_norm": 1.0}),
     ("tests.plugins.cosine_task:make_task", "bf16", {"clip_grad_norm": 1.0}),
+    # a task's own step with a logged scalar, and a model that computes its own loss
+    ("tests.plugins.own_step_task:make_task", "fp16", {"grad_accum": 2, "task_opt": ("kind=dict_step",)}),
+    ("tests.plugins.own_step_task:make_task", "bf16", {"task_opt": ("kind=own_loss",)}),
 ]
 TASK_OPTIONS = {"lm": ("tokens=4000", "bptt=16", "emsize=16", "nhid=16"), "mlp": ("hidden=16", "samples=512"),
                 "tests.plugins.cosine_task:make_task": ("hidden=16", "samples=512")}
@@ -79,7 +82,7 @@ def _trainer_reads(ctx: DistContext, cases: list[tuple[str, str, dict[str, Any]]
     results = []
     for task, precision, extra in cases:
         config = TrainConfig(task=task, precision=precision, device=device, batch_size=8 * ctx.world_size,
-                             max_steps=1000, log_every=1000, task_opt=TASK_OPTIONS.get(task, ()), **extra)
+                             max_steps=1000, log_every=1000, **{"task_opt": TASK_OPTIONS.get(task, ()), **extra})
         trainer = build_trainer(config, ctx)
         for _ in range(WARMUP):
             trainer.train_step()

@@ -29,6 +29,9 @@ MetricFn = Callable[[Any, Any], Mapping[str, tuple[torch.Tensor, int]]]
 # finalize(means) -> metrics to report: applied to the reduced means, for metrics that are
 # not means themselves (perplexity is exp of the mean NLL).
 FinalizeFn = Callable[[dict[str, float]], dict[str, float]]
+# step_fn(model, batch) -> the loss, or a mapping with "loss" and other scalars to log: a
+# task's own step, for batches and forwards of any shape (trainer/batch_loss.py).
+StepFn = Callable[[nn.Module, Any], Any]
 
 BUILTIN_TASKS: dict[str, str] = {
     "mlp": "ddp_amp.tasks.mlp:make_task",
@@ -39,11 +42,18 @@ BUILTIN_TASKS: dict[str, str] = {
 
 @dataclass
 class Task:
-    """What a task hands the trainer. Datasets yield `(input, target)` items."""
+    """What a task hands the trainer.
+
+    How a batch becomes a loss: `loss_fn(model(input), target)` for `(input, target)`
+    items; or `step_fn(model, batch)` for items of any structure (dicts, several inputs);
+    or, with neither, the model's own output's `loss` (Hugging Face style). Items of any
+    structure (tensors, tuples, lists, dicts, namedtuples, dataclasses) are collated and
+    moved to the device field by field.
+    """
 
     model: nn.Module
     train_data: Dataset
-    loss_fn: Callable[[Any, Any], torch.Tensor]
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     eval_data: Dataset | None = None
     metric: MetricFn | None = None
     make_optimizer: OptimizerFactory | None = None  # None: AdamW
@@ -52,6 +62,7 @@ class Task:
     name: str = ""
     finalize_metrics: FinalizeFn | None = None  # None: report the means as they are
     default_clip_grad_norm: float = 0.0  # used when --clip-grad-norm is 0; 0 = no clipping
+    step_fn: StepFn | None = None  # instead of loss_fn: the task's own micro-step loss
 
 
 def parse_task_options(options: Mapping[str, str], defaults: Mapping[str, int | float]) -> dict[str, int | float]:
@@ -91,9 +102,13 @@ def _check_task(spec: str, task: object) -> Task:
             raise UsageError("--task", spec, f"Task.{name} to be a map-style Dataset "
                              f"(__getitem__ and __len__), got {type(data).__name__}",
                              "wrap tensors in torch.utils.data.TensorDataset")
-    if not callable(task.loss_fn):
-        raise UsageError("--task", spec, "Task.loss_fn to be callable(output, target) -> Tensor",
-                         "e.g. loss_fn=torch.nn.functional.cross_entropy")
+    if task.loss_fn is not None and task.step_fn is not None:
+        raise UsageError("--task", spec, "Task.loss_fn or Task.step_fn, not both",
+                         "keep step_fn(model, batch) and compute the loss inside it")
+    for name in ("loss_fn", "step_fn"):
+        if getattr(task, name) is not None and not callable(getattr(task, name)):
+            raise UsageError("--task", spec, f"Task.{name} to be callable, got {type(getattr(task, name)).__name__}",
+                             "e.g. loss_fn=torch.nn.functional.cross_entropy, or step_fn=my_step")
     if len(task.train_data) == 0:  # type: ignore[arg-type]
         raise UsageError("--task", spec, "a non-empty Task.train_data", "check the dataset's path and size")
     if task.eval_data is not None and len(task.eval_data) == 0:  # type: ignore[arg-type]

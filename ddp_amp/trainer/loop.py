@@ -28,17 +28,22 @@ from ddp_amp import checkpoint
 from ddp_amp.amp import AutocastModule, Precision, amp_step, scaled_backward, unwrap_model, wrap_model
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistContext, all_reduce_, comm_hook, mark_agreed
+from ddp_amp.errors import UsageError
 from ddp_amp.guards import PreemptionWatch, RunWatch, stop_for_preemption, worker_ignores
 from ddp_amp.metrics import RunLog, peak_memory_mb
 from ddp_amp.tasks import Task
 from ddp_amp.trainer.checkpointing import (TrainingParts, load_training_state, run_meta, scale_learning_rates,
                                           training_files)
+from ddp_amp.trainer.batch_loss import BatchLoss
 from ddp_amp.trainer.evaluation import evaluate
 from ddp_amp.trainer.lr_steps import TakenStepScheduler
 from ddp_amp.trainer.optimizers import make_optimizer
 from ddp_amp.trainer.stream import BatchStream
 
 _NOTHING = nullcontext()  # reusable: nullcontext keeps no state
+# What log_record writes itself: a step_fn's extra scalars may not take these names.
+_RECORD_FIELDS = frozenset({"step", "epoch", "loss", "lr", "loss_scale", "skipped_total", "samples_per_s",
+                            "step_time", "peak_mem_mb"})
 
 
 class Trainer:
@@ -61,10 +66,11 @@ class Trainer:
         # Without DDP the step calls the wrapped module itself: the step's own autocast region
         # is the one the wrapper would enter, and skipping the wrapper saves a module call.
         self._forward = self.model if self._ddp else self.model.unwrap()
-        # --compile compiles the loss on its own as well: a cross-entropy over a large
+        # --compile compiles a loss_fn on its own as well: a cross-entropy over a large
         # vocabulary then runs as fused kernels instead of materialising fp32 log-probabilities
         # (docs/benchmarks.md, the transformer section).
-        self._loss_fn = torch.compile(task.loss_fn) if config.compile else task.loss_fn
+        self.batch_loss = BatchLoss(task, compile_loss=config.compile)
+        self.extras: dict[str, torch.Tensor] = {}  # a step_fn's other scalars, last step, on the device
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(task, config.optimizer, self.params,
                                         config.lr or task.default_lr, self.device, config.optimizer_impl)
@@ -100,19 +106,21 @@ class Trainer:
         accum = self.config.grad_accum
         step_loss: torch.Tensor | None = None
         for micro in range(accum):
-            inputs, target = next(self.stream)
+            batch = next(self.stream)
             last = micro == accum - 1
             sync = self.model.no_sync() if not last and self._ddp else _NOTHING
             with sync:
                 # Forward and loss in one autocast region, as in the recipe; the wrapper
                 # inside DDP sees it is already in effect and does not enter it again.
                 with self.precision.autocast():
-                    loss = self._loss_fn(self._forward(inputs), target)
+                    loss, extras = self.batch_loss(self._forward, batch)
                 if accum > 1:
                     loss = loss / accum
                 scaled_backward(self.scaler, loss)
             detached = loss.detach()
             step_loss = detached if step_loss is None else step_loss + detached
+            if extras:
+                self._add_extras(extras, first=micro == 0, accum=accum)
         amp_step(self.scaler, (self.optimizer,), clip_grad_norm=self.clip_grad_norm, clip_params=self.params)
         self.watch.after_update(self.step + 1, step_loss)  # before zero_grad: forensics reads the grads
         self.optimizer.zero_grad(set_to_none=True)
@@ -121,6 +129,18 @@ class Trainer:
         self.step += 1
         self.samples_seen += self.config.batch_size
         return step_loss.float()  # type: ignore[union-attr]
+
+    def _add_extras(self, extras: dict[str, torch.Tensor], first: bool, accum: int) -> None:
+        """Keep a step_fn's scalars as the step's mean over its micro-batches (device ops only)."""
+        for name, value in extras.items():
+            share = value.float() / accum if accum > 1 else value.float()
+            if name in self.extras and not first:
+                self.extras[name] = self.extras[name] + share
+                continue
+            if name not in self.extras and name in _RECORD_FIELDS:
+                raise UsageError("Task.step_fn's scalar", name, "a name the log does not use already",
+                                 "rename it, e.g. 'train_" + name + "'")
+            self.extras[name] = share
 
     def _mean_across_ranks(self, value: torch.Tensor) -> float:
         """Average a scalar over ranks (collective; called on logging steps only)."""
@@ -139,6 +159,8 @@ class Trainer:
             "samples_per_s": samples_per_s,
             "step_time": step_time,
             "peak_mem_mb": peak_memory_mb(self.device),
+            # A step_fn's own scalars, averaged over ranks (the same names on every rank).
+            **{name: self._mean_across_ranks(value) for name, value in sorted(self.extras.items())},
         }
 
     def evaluate(self) -> dict[str, float]:

@@ -24,3 +24,8 @@ def empty_train_set(config: Any) -> Task:
 def empty_eval_set(config: Any) -> Task:
     return Task(model=nn.Linear(2, 2), train_data=[(1, 2)], loss_fn=nn.functional.mse_loss, eval_data=[],
                 metric=lambda output, target: {})
+
+
+def loss_fn_and_step_fn(config: Any) -> Task:
+    return Task(model=nn.Linear(2, 2), train_data=[(1, 2)], loss_fn=nn.functional.mse_loss,
+                step_fn=lambda model, batch: model(batch).sum())
