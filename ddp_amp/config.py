@@ -26,6 +26,7 @@ from ddp_amp.guards import WatchOptions, parse_signals
 # so, "precision" follows the AMP recipe's rules (a fresh or ignored scaler, with a notice),
 # "free" is about this launch only and is not compared.
 RESUME_CLASSES = ("match", "notice", "precision", "free")
+KEEP_BEST = re.compile(r"^[A-Za-z_][\w.-]*(:(min|max))?$")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, resume: str = "notice") -> Any:
@@ -86,6 +87,10 @@ class TrainConfig:
     resume: str = _opt("auto", "auto (newest complete checkpoint in <run-dir>/checkpoints, if "
                        "any), none (a fresh run: refused where checkpoints exist, unless "
                        "--archive-checkpoints), or PATH of a checkpoint directory", resume="free")
+    keep_best: str = _opt("", "METRIC[:min|max]: also keep the checkpoint with the best value of an eval "
+                          "metric (e.g. eval_nll, or eval_accuracy:max; min by default), saved at the "
+                          "evaluation that finds it; retention never deletes it; the task's test data, "
+                          "if any, is scored with it at the end")
     archive_checkpoints: bool = _opt(False, "with --resume none: move the run directory's checkpoints "
                                      "to checkpoints-archived-<time>/ before the first step", resume="free")
     allow_change: str = _opt("", "comma list of settings that must match on resume (marked so in "
@@ -149,6 +154,9 @@ class TrainConfig:
         if self.run_name in (".", "..") or "/" in self.run_name or "\\" in self.run_name:
             raise UsageError("--run-name", self.run_name, "a plain name (no path separators)",
                              "use --run-dir for a path")
+        if self.keep_best and not KEEP_BEST.match(self.keep_best):
+            raise UsageError("--keep-best", self.keep_best, "METRIC or METRIC:min or METRIC:max",
+                             "e.g. --keep-best eval_nll, or --keep-best eval_accuracy:max")
         if self.archive_checkpoints and self.resume != "none":
             raise UsageError("--archive-checkpoints", True, "--resume none with it",
                              "it moves old checkpoints aside for a fresh run: add --resume none")

@@ -5,6 +5,7 @@
 - `commit`: a directory appears whole or not at all (temporary directory, fsync, manifest,
   rename); retention deletes old checkpoints only after a new one is committed;
 - `manifest`: sizes and sha256 of every file, so a torn checkpoint is told from a whole one;
+- `best`: the pointer to the best checkpoint by an eval metric, which retention keeps;
 - `discovery`: `step-N` layout, the newest complete checkpoint, `--resume auto|none|PATH`;
 - `safe_types`: what a checkpoint may hold and the restricted loader that reads it back;
 - `rng`: every rank's RNG states;
@@ -14,6 +15,7 @@ What goes into the files is the caller's: the Trainer saves its model and traini
 `Session` the user's state. Imports `amp`, `dist`, `durable`, `errors` and `version`.
 """
 
+from ddp_amp.checkpoint.best import BEST_FILE, BestRecord, read_best, write_best
 from ddp_amp.checkpoint.commit import apply_retention, commit_checkpoint, commit_directory
 from ddp_amp.checkpoint.discovery import (checkpoint_root, complete_copy, list_step_dirs, newest_complete,
                                           resolve_resume, step_dir_name)
@@ -26,7 +28,7 @@ from ddp_amp.checkpoint.save import (META_FILE, RNG_FILE, CheckpointError, SaveR
                                      save_checkpoint, save_directory)
 
 __all__ = [
-    "META_FILE", "RNG_FILE", "CheckpointError", "IncompleteCheckpoint", "LoadedCheckpoint", "SaveResult",
+    "BEST_FILE", "META_FILE", "RNG_FILE", "BestRecord", "read_best", "write_best", "CheckpointError", "IncompleteCheckpoint", "LoadedCheckpoint", "SaveResult",
     "apply_retention", "capture_rng", "check_loadable", "checkpoint_root", "choose_checkpoint",
     "commit_checkpoint", "commit_directory", "complete_copy", "ensure_writable", "gather_rng_states",
     "list_step_dirs", "newest_complete", "read_agreed", "read_checkpoint", "resolve_resume",

@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from ddp_amp.checkpoint.best import protected_directory
 from ddp_amp.checkpoint.discovery import ASIDE_PREFIX, SCRATCH_PREFIX, list_step_dirs, step_dir_name
 from ddp_amp.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileRecord, encode_manifest
 from ddp_amp.durable import fsync_dir
@@ -160,6 +161,8 @@ def remove_scratch(root: Path) -> None:
 def apply_retention(root: Path, keep_last: int, newest: Path) -> list[Path]:
     """Keep `newest` and the `keep_last - 1` checkpoints just older than it; 0 keeps all.
 
+    The best checkpoint (best.py's pointer), if any, is kept besides them.
+
     Directories with a higher step than `newest` (left by an earlier run or skipped as
     corrupt) are not touched: this run did not write them.
     """
@@ -169,7 +172,8 @@ def apply_retention(root: Path, keep_last: int, newest: Path) -> list[Path]:
     newest_step = next((step for step, path in steps if path == newest), None)
     if newest_step is None:
         return []
-    older = [path for step, path in steps if step < newest_step]
+    best = protected_directory(root)  # --keep-best's checkpoint stays, and counts apart
+    older = [path for step, path in steps if step < newest_step and path != best]
     doomed = older[:max(0, len(older) - (keep_last - 1))]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)

@@ -63,6 +63,7 @@ class Task:
     finalize_metrics: FinalizeFn | None = None  # None: report the means as they are
     default_clip_grad_norm: float = 0.0  # used when --clip-grad-norm is 0; 0 = no clipping
     step_fn: StepFn | None = None  # instead of loss_fn: the task's own micro-step loss
+    test_data: Dataset | None = None  # scored with `metric` once, after training: test_* in the summary
 
 
 def parse_task_options(options: Mapping[str, str], defaults: Mapping[str, int | float]) -> dict[str, int | float]:
@@ -96,7 +97,9 @@ def _check_task(spec: str, task: object) -> Task:
     if not isinstance(task.model, nn.Module):
         raise UsageError("--task", spec, f"Task.model to be a torch.nn.Module, got {type(task.model).__name__}",
                          "build the model in the task function and pass the module itself")
-    for name in ("train_data", "eval_data"):
+    if task.test_data is not None and task.metric is None:
+        raise UsageError("--task", spec, "Task.metric with Task.test_data", "the test pass scores it with the metric")
+    for name in ("train_data", "eval_data", "test_data"):
         data = getattr(task, name)
         if data is not None and not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
             raise UsageError("--task", spec, f"Task.{name} to be a map-style Dataset "

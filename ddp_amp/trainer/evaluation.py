@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from ddp_amp.dist import DistContext, all_reduce_, to_device
 from ddp_amp.tasks import Task
@@ -18,16 +18,17 @@ from ddp_amp.trainer.stream import collate
 
 @torch.no_grad()
 def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: DistContext,
-             micro_batch_size: int) -> dict[str, float]:
-    """`task.metric` over `task.eval_data`, prefixed `eval_` (collective: all ranks call it).
+             micro_batch_size: int, data: Dataset | None = None, prefix: str = "eval_") -> dict[str, float]:
+    """`task.metric` over `data` (default `task.eval_data`), names prefixed (collective: all ranks call it).
 
     `forward` runs the batches: the autocast wrapper, not DDP (no gradient buckets, no
     buffer broadcast, the same dtype the training forward used). `train_mode_of` is put
     in eval mode for the pass and back in train mode after it.
     """
-    if task.eval_data is None or task.metric is None:
+    data = task.eval_data if data is None else data
+    if data is None or task.metric is None:
         return {}
-    sampler = range(ctx.rank, len(task.eval_data), ctx.world_size)  # type: ignore[arg-type]
+    sampler = range(ctx.rank, len(data), ctx.world_size)  # type: ignore[arg-type]
     # A held-out set smaller than the world leaves some ranks no item; they still have
     # to join one all-reduce per metric name, so they score item 0 and add it at weight 0.
     weight = 1.0 if len(sampler) else 0.0
@@ -38,7 +39,7 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: Dist
     try:
         # A generator of its own: a DataLoader draws its base seed from the global RNG
         # otherwise, and evaluating would change the dropout of the steps after it.
-        loader = DataLoader(task.eval_data, batch_size=micro_batch_size, sampler=sampler,
+        loader = DataLoader(data, batch_size=micro_batch_size, sampler=sampler,
                             generator=torch.Generator(), collate_fn=collate)
         for batch in loader:
             inputs, target = to_device(batch, ctx.device)
@@ -54,4 +55,4 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: Dist
         means[name] = total / max(count, 1.0)
     if task.finalize_metrics is not None:
         means = task.finalize_metrics(means)
-    return {f"eval_{name}": value for name, value in means.items()}
+    return {f"{prefix}{name}": value for name, value in means.items()}

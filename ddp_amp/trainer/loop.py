@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_amp import checkpoint
+from ddp_amp.checkpoint import safe_load
 from ddp_amp.amp import AutocastModule, Precision, amp_step, scaled_backward, unwrap_model, wrap_model
 from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistContext, all_reduce_, comm_hook, mark_agreed
@@ -32,9 +33,10 @@ from ddp_amp.errors import UsageError
 from ddp_amp.guards import PreemptionWatch, RunWatch, stop_for_preemption, worker_ignores
 from ddp_amp.metrics import RunLog, peak_memory_mb
 from ddp_amp.tasks import Task
-from ddp_amp.trainer.checkpointing import (TrainingParts, load_training_state, run_meta, scale_learning_rates,
+from ddp_amp.trainer.checkpointing import (MODEL_FILE, TrainingParts, load_training_state, run_meta, scale_learning_rates,
                                           training_files)
 from ddp_amp.trainer.batch_loss import BatchLoss
+from ddp_amp.trainer.best import BestKeeper
 from ddp_amp.trainer.evaluation import evaluate
 from ddp_amp.trainer.lr_steps import TakenStepScheduler
 from ddp_amp.trainer.optimizers import make_optimizer
@@ -92,6 +94,11 @@ class Trainer:
         self.checkpoint_error: checkpoint.CheckpointError | None = None
         self._saved_step: int | None = None
         self.last_checkpoint: Path | None = None  # the newest this run committed or resumed from
+        if config.keep_best and task.metric is None:
+            raise UsageError("--keep-best", config.keep_best, "a task with eval_data and a metric",
+                             "the best checkpoint is chosen by an eval metric; drop --keep-best")
+        self.best = BestKeeper(config.keep_best, checkpoint_root, run_log.info) \
+            if config.keep_best and checkpoint_root is not None else None
 
     @property
     def autocast_model(self) -> AutocastModule:
@@ -173,7 +180,23 @@ class Trainer:
         record = {"step": self.step, **self.evaluate()}
         if len(record) > 1:  # a task without eval data or metric logs nothing
             self.run_log.metrics(record)
+            if self.best is not None:
+                self.best.after_eval(record, self.save_checkpoint)
         return record
+
+    def test_record(self) -> dict[str, Any]:
+        """The task's metric on its test data, `test_*`, with the best checkpoint's weights
+        where `--keep-best` kept one (collective; after training: it may change the model)."""
+        if self.task.test_data is None:
+            return {}
+        tested = self.step
+        if self.best is not None and self.best.best is not None and self.best.best.step != self.step:
+            tested = self.best.best.step
+            state = safe_load(self.best.best.directory(self.checkpoint_root) / MODEL_FILE)  # type: ignore[arg-type]
+            unwrap_model(self.model).load_state_dict(state)
+        metrics = evaluate(self.task, self.autocast_model, self.model, self.ctx,
+                           self.config.micro_batch_size(self.ctx.world_size), data=self.task.test_data, prefix="test_")
+        return {**metrics, "test_weights_from_step": tested}
 
     def fit(self) -> dict[str, Any]:
         """Train for `max_steps` steps, logging every `log_every`; returns the summary record.
@@ -225,6 +248,8 @@ class Trainer:
         skipped = summary["skipped_total"]
         if last_eval.get("step") != self.step:  # reuse the cadence's metric at this very step
             last_eval = {"step": self.step, **self.evaluate()}
+            if self.best is not None and len(last_eval) > 1:
+                self.best.after_eval(last_eval, self.save_checkpoint)
         summary.update({
             "steps": self.step,
             "steps_taken": self.step - skipped,
@@ -234,6 +259,10 @@ class Trainer:
             "wall_s": elapsed,
             **{key: value for key, value in last_eval.items() if key != "step"},
         })
+        if self.best is not None and self.best.best is not None:
+            summary.update(best_metric=self.best.metric, best_value=self.best.best.value,
+                           best_step=self.best.best.step)
+        summary.update(self.test_record())
         return summary
 
     def stop_for_preemption(self) -> dict[str, Any]:
@@ -324,4 +353,6 @@ class Trainer:
         path = checkpoint.choose_checkpoint(choice, root, self.run_log.warn)
         if path is not None:
             self.load_checkpoint(path)
+        if self.best is not None:  # what this run's checkpoints hold now (none after an archive)
+            self.best.reload()
         return path

@@ -1,0 +1,64 @@
+"""`--keep-best METRIC[:min|max]`: the checkpoint with the best eval metric, and the test pass.
+
+After each evaluation (the cadence's and the final one) the metric is compared with the
+best so far; a strictly better value saves a checkpoint at that step, if there is none
+yet, and points `checkpoints/best.json` at it (checkpoint/best.py), so retention keeps it
+beside the last `--keep-last`. The best so far is read back from that pointer on a
+resume. Eval metrics are means over all ranks, so every rank takes the same decision and
+calls the collective save together. At the end, a task's `test_data` is scored with the
+weights of the best checkpoint (or the final ones without `--keep-best`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ddp_amp.checkpoint import BestRecord, read_best, write_best
+from ddp_amp.dist import on_rank_zero
+from ddp_amp.errors import UsageError
+
+
+def parse_keep_best(spec: str) -> tuple[str, str]:
+    """'eval_nll' -> ('eval_nll', 'min'); 'eval_accuracy:max' -> ('eval_accuracy', 'max')."""
+    metric, _, mode = spec.partition(":")
+    return metric, mode or "min"
+
+
+class BestKeeper:
+    """Decides, after each evaluation, whether this step's checkpoint is the new best."""
+
+    def __init__(self, spec: str, root: Path, info: Callable[[str], None]) -> None:
+        self.spec, self.root, self.info = spec, root, info
+        self.metric, self.mode = parse_keep_best(spec)
+        self.best: BestRecord | None = None
+        self.reload()
+
+    def reload(self) -> None:
+        """Take the best so far from the run's pointer (after a resume); one for another
+        metric or direction does not count."""
+        saved = read_best(self.root)
+        matches = saved is not None and (saved.metric, saved.mode) == (self.metric, self.mode)
+        self.best = saved if matches and saved.directory(self.root).is_dir() else None
+
+    def after_eval(self, record: dict[str, Any], save: Callable[[], Path | None]) -> None:
+        """Collective (the save): keep this step's checkpoint if `record` beats the best."""
+        step = record.get("step", 0)
+        if self.metric not in record:  # the evaluation before the first step finds it early
+            names = sorted(name for name in record if name != "step")
+            raise UsageError("--keep-best", self.spec, f"a metric the task's evaluation reports ({', '.join(names)})",
+                             f"e.g. --keep-best {names[0] if names else 'eval_loss'}")
+        if step == 0:  # before the first step: nothing trained to keep
+            return
+        value = float(record[self.metric])
+        if self.best is not None and not self.best.beaten_by(value):
+            return
+        if self.best is None and value != value:  # NaN is never a best
+            return
+        if save() is None:  # checkpointing off or the write failed: nothing to point at
+            return
+        best = BestRecord(self.metric, self.mode, value, step)
+        on_rank_zero(lambda: write_best(self.root, best))
+        self.best = best
+        self.info(f"best {self.metric}={value:.6g} so far: checkpoint of step {step} kept (--keep-best)")
