@@ -50,8 +50,8 @@ def build_trainer(cfg: TrainConfig, ctx: DistContext, root: Path | None) -> Trai
 
 def snapshot(trainer: Trainer) -> dict[str, Any]:
     """Everything exact resume must reproduce, copied off the live objects."""
-    if trainer.lr_steps is not None:  # mid-run, the scheduler may still count skipped steps
-        trainer.lr_steps.settle()
+    if trainer.schedule is not None:  # mid-run, the scheduler may still count skipped steps
+        trainer.schedule.before_checkpoint()
     model = trainer.autocast_model.unwrap()
     return {
         "model": {k: v.detach().clone() for k, v in model.state_dict().items()},

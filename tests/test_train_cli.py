@@ -35,6 +35,8 @@ def test_torchrun_two_ranks_trains_in_every_precision(precision: str, tmp_path: 
     (["--task", "tests.plugins.wrong_tasks:returns_a_model"], "expected a function returning ddp_amp.Task, got Linear"),
     (["--task", "tests.plugins.wrong_tasks:model_is_not_a_module"], "Task.model to be a torch.nn.Module"),
     (["--task", "tests.plugins.wrong_tasks:loss_fn_and_step_fn"], "expected Task.loss_fn or Task.step_fn, not both"),
+    (["--task", "tests.plugins.wrong_tasks:schedule_on_plateau_without_metric_name"],
+     "expected Task.schedule_on to be 'step', 'epoch' or 'eval:METRIC', got 'eval'"),
     (["--task", "mlp", "--task-opt", "width"], "--task-opt='width': expected KEY=VALUE"),
     (["--max-steps", "ten"], "--max-steps='ten': expected a value of type int"),
     (["--device", "cuda"], "--device='cuda': expected a machine with a CUDA GPU"),

@@ -57,13 +57,17 @@ class Task:
     eval_data: Dataset | None = None
     metric: MetricFn | None = None
     make_optimizer: OptimizerFactory | None = None  # None: AdamW
-    make_scheduler: SchedulerFactory | None = None  # stepped once per optimizer step taken
+    make_scheduler: SchedulerFactory | None = None  # stepped as schedule_on says
     default_lr: float = 1e-3
     name: str = ""
     finalize_metrics: FinalizeFn | None = None  # None: report the means as they are
     default_clip_grad_norm: float = 0.0  # used when --clip-grad-norm is 0; 0 = no clipping
     step_fn: StepFn | None = None  # instead of loss_fn: the task's own micro-step loss
     test_data: Dataset | None = None  # scored with `metric` once, after training: test_* in the summary
+    # When make_scheduler's scheduler is stepped: "step" (each optimizer step taken),
+    # "epoch" (each pass over train_data) or "eval:METRIC" (after each evaluation, with
+    # that metric: ReduceLROnPlateau). trainer/schedules.py.
+    schedule_on: str = "step"
 
 
 def parse_task_options(options: Mapping[str, str], defaults: Mapping[str, int | float]) -> dict[str, int | float]:
@@ -97,6 +101,13 @@ def _check_task(spec: str, task: object) -> Task:
     if not isinstance(task.model, nn.Module):
         raise UsageError("--task", spec, f"Task.model to be a torch.nn.Module, got {type(task.model).__name__}",
                          "build the model in the task function and pass the module itself")
+    kind, colon, metric = task.schedule_on.partition(":") if isinstance(task.schedule_on, str) else ("", "", "")
+    if kind not in ("step", "epoch", "eval") or (kind == "eval") != bool(colon and metric):
+        raise UsageError("--task", spec, f"Task.schedule_on to be 'step', 'epoch' or 'eval:METRIC', "
+                         f"got {task.schedule_on!r}", "e.g. schedule_on='eval:eval_nll' for ReduceLROnPlateau")
+    if kind == "eval" and task.metric is None:
+        raise UsageError("--task", spec, "Task.eval_data and Task.metric with schedule_on='eval:...'",
+                         "a metric-driven schedule needs an evaluation to read")
     if task.test_data is not None and task.metric is None:
         raise UsageError("--task", spec, "Task.metric with Task.test_data", "the test pass scores it with the metric")
     for name in ("train_data", "eval_data", "test_data"):

@@ -6,7 +6,11 @@
 - `loop`: `Trainer` (steps, micro-steps, logging, evaluation and checkpoint cadence);
 - `build`: the one way to build it (`build_trainer`, `prepare_task`, `seed_everything`);
 - `stream`: the resumable per-rank stream of micro-batches;
-- `lr_steps`: the LR schedule stepped on taken steps only, without a host sync per step;
+- `batch_loss`: how a micro-batch becomes a loss (loss_fn, the task's step_fn, or the model's own);
+- `best`: `--keep-best`'s checkpoint by an eval metric, and the test pass;
+- `schedules`: when the task's LR scheduler steps (each taken step, each epoch, or after each
+  evaluation with a metric); `lr_steps`: the per-step cadence, on taken steps only, without a
+  host sync per step;
 - `evaluation`: the task's metric, exact over any number of ranks;
 - `optimizers`: the task's optimizer, or AdamW / SGD with the fastest kernels;
 - `checkpointing`: what the Trainer puts into a checkpoint and takes back out.

@@ -85,7 +85,7 @@ def scale_learning_rates(optimizer: torch.optim.Optimizer,
         group["lr"] = group["lr"] * factor
         if "initial_lr" in group:
             group["initial_lr"] = group["initial_lr"] * factor
-    if scheduler is not None:
+    if scheduler is not None and hasattr(scheduler, "base_lrs"):  # ReduceLROnPlateau has none
         scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
 

@@ -38,7 +38,7 @@ from ddp_amp.trainer.checkpointing import (MODEL_FILE, TrainingParts, load_train
 from ddp_amp.trainer.batch_loss import BatchLoss
 from ddp_amp.trainer.best import BestKeeper
 from ddp_amp.trainer.evaluation import evaluate
-from ddp_amp.trainer.lr_steps import TakenStepScheduler
+from ddp_amp.trainer.schedules import SchedulerDriver
 from ddp_amp.trainer.optimizers import make_optimizer
 from ddp_amp.trainer.stream import BatchStream
 
@@ -77,7 +77,6 @@ class Trainer:
         self.optimizer = make_optimizer(task, config.optimizer, self.params,
                                         config.lr or task.default_lr, self.device, config.optimizer_impl)
         self.scheduler = task.make_scheduler(self.optimizer) if task.make_scheduler else None
-        self.lr_steps = TakenStepScheduler(self.scheduler, self.scaler) if self.scheduler else None
         self.clip_grad_norm = config.clip_grad_norm or task.default_clip_grad_norm or None
         requeue_signals, stop_signals = config.signals()
         self.preemption = PreemptionWatch(requeue_signals, self.device, config.preempt_check_s, ctx.has_group,
@@ -86,6 +85,8 @@ class Trainer:
         self.stream = BatchStream(task.train_data, config.micro_batch_size(ctx.world_size), ctx.rank,
                                   ctx.world_size, config.seed, self.device, config.num_workers,
                                   worker_init_fn=worker_ignores(signums))
+        self.schedule = SchedulerDriver(self.scheduler, self.scaler, task.schedule_on, self.stream) \
+            if self.scheduler else None
         self.step = 0  # optimizer steps attempted; skipped fp16 steps count
         self.samples_seen = 0
         self.last_loss = torch.zeros((), device=self.device)
@@ -131,8 +132,8 @@ class Trainer:
         amp_step(self.scaler, (self.optimizer,), clip_grad_norm=self.clip_grad_norm, clip_params=self.params)
         self.watch.after_update(self.step + 1, step_loss)  # before zero_grad: forensics reads the grads
         self.optimizer.zero_grad(set_to_none=True)
-        if self.lr_steps is not None:  # on taken steps only, without a host sync per step
-            self.lr_steps.after_step()
+        if self.schedule is not None:  # per step: on taken steps only, without a host sync per step
+            self.schedule.after_step()
         self.step += 1
         self.samples_seen += self.config.batch_size
         return step_loss.float()  # type: ignore[union-attr]
@@ -180,6 +181,8 @@ class Trainer:
         record = {"step": self.step, **self.evaluate()}
         if len(record) > 1:  # a task without eval data or metric logs nothing
             self.run_log.metrics(record)
+            if self.schedule is not None:
+                self.schedule.after_eval(record)
             if self.best is not None:
                 self.best.after_eval(record, self.save_checkpoint)
         return record
@@ -287,8 +290,8 @@ class Trainer:
         failed (the reason is in `self.checkpoint_error`; older checkpoints are untouched)
         or checkpointing is off. Saving the same step twice writes it once.
         """
-        if self.lr_steps is not None:  # the scheduler's state must be exact from here on
-            self.lr_steps.settle()
+        if self.schedule is not None:
+            self.schedule.before_checkpoint()
         if self.checkpoint_root is None:
             return None
         if self._saved_step == self.step:
@@ -325,8 +328,8 @@ class Trainer:
         self.step, self.samples_seen = restored.step, restored.samples_seen
         if restored.optimizer_loaded:
             self._apply_new_lr(restored.meta.get("config", {}))
-        if self.lr_steps is not None:
-            self.lr_steps.mark_exact()
+        if self.schedule is not None:
+            self.schedule.after_load()
         # Saving this step again would only rewrite what is there; elsewhere (another run's
         # checkpoint) it must still be written into this run's directory.
         own = self.checkpoint_root and Path(path).resolve() == (

@@ -29,3 +29,7 @@ def empty_eval_set(config: Any) -> Task:
 def loss_fn_and_step_fn(config: Any) -> Task:
     return Task(model=nn.Linear(2, 2), train_data=[(1, 2)], loss_fn=nn.functional.mse_loss,
                 step_fn=lambda model, batch: model(batch).sum())
+
+
+def schedule_on_plateau_without_metric_name(config: Any) -> Task:
+    return Task(model=nn.Linear(2, 2), train_data=[(1, 2)], loss_fn=nn.functional.mse_loss, schedule_on="eval")
