@@ -68,6 +68,10 @@ class Task:
     # "epoch" (each pass over train_data) or "eval:METRIC" (after each evaluation, with
     # that metric: ReduceLROnPlateau). trainer/schedules.py.
     schedule_on: str = "step"
+    # What the task keeps across steps on each rank (a TBPTT hidden state, say), as an
+    # object with state_dict() / load_state_dict(); every checkpoint saves each rank's and
+    # a resume gives each rank its own back. The task's step_fn reads and updates it.
+    state: Any = None
 
 
 def parse_task_options(options: Mapping[str, str], defaults: Mapping[str, int | float]) -> dict[str, int | float]:
@@ -108,6 +112,10 @@ def _check_task(spec: str, task: object) -> Task:
     if kind == "eval" and task.metric is None:
         raise UsageError("--task", spec, "Task.eval_data and Task.metric with schedule_on='eval:...'",
                          "a metric-driven schedule needs an evaluation to read")
+    if task.state is not None and not all(callable(getattr(task.state, name, None))
+                                          for name in ("state_dict", "load_state_dict")):
+        raise UsageError("--task", spec, f"Task.state to have state_dict() and load_state_dict(), "
+                         f"got {type(task.state).__name__}", "wrap what the task keeps in a small class with both")
     if task.test_data is not None and task.metric is None:
         raise UsageError("--task", spec, "Task.metric with Task.test_data", "the test pass scores it with the metric")
     for name in ("train_data", "eval_data", "test_data"):

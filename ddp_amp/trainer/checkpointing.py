@@ -5,7 +5,9 @@ Files, besides the `rng.pt` and `meta.json` that every checkpoint has (all loada
 - `model.pt`: the user's module's `state_dict()` (no DDP `module.` / wrapper prefixes), so
   it loads into a plain `nn.Module`;
 - `train.pt`: optimizer, scaler (+ its skipped-step count), scheduler, step, samples seen
-  and the data position.
+  and the data position;
+- `task_state.pt`, for a task that keeps state across steps (`Task.state`, e.g. a carried
+  hidden state): every rank's `state_dict()`, in rank order, on the CPU.
 `meta.json` also holds the batch geometry, precision and config, which a resume checks
 before it loads any tensor. Saving and loading themselves are `ddp_amp.checkpoint`'s.
 """
@@ -19,13 +21,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from ddp_amp.amp import AgreedGradScaler
 from ddp_amp.checkpoint import LoadedCheckpoint, read_agreed, restore_own_rng, restore_scaler
+from ddp_amp.dist import all_gather_objects, to_device
 from ddp_amp.errors import UsageError
 from ddp_amp.trainer.stream import BatchStream
 
-MODEL_FILE, TRAIN_FILE = "model.pt", "train.pt"
+MODEL_FILE, TRAIN_FILE, TASK_STATE_FILE = "model.pt", "train.pt", "task_state.pt"
 
 
 @dataclass
@@ -38,11 +42,13 @@ class TrainingParts:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     stream: BatchStream
     device: torch.device
+    task_state: Any = None  # Task.state: state_dict() / load_state_dict(), one per rank
 
 
 def training_files(parts: TrainingParts, step: int, samples_seen: int) -> dict[str, Any]:
-    """The Trainer's files of a checkpoint at `step` (the same on every rank)."""
-    return {
+    """The Trainer's files of a checkpoint at `step` (collective where the task keeps state:
+    every rank's is gathered)."""
+    files = {
         MODEL_FILE: parts.model.state_dict(),
         TRAIN_FILE: {
             "optimizer": parts.optimizer.state_dict(),
@@ -54,6 +60,11 @@ def training_files(parts: TrainingParts, step: int, samples_seen: int) -> dict[s
             "data": parts.stream.state_dict(),
         },
     }
+    if parts.task_state is not None:
+        own = tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v,
+                       parts.task_state.state_dict())
+        files[TASK_STATE_FILE] = {"ranks": all_gather_objects(own)}
+    return files
 
 
 def run_meta(config: dict[str, Any], parts: TrainingParts, precision: str, step: int) -> dict[str, Any]:
@@ -157,7 +168,17 @@ def load_training_state(path: Path, parts: TrainingParts, rank: int, world_size:
                                      parts.stream.micro_batch_size, parts.stream.batches_per_epoch, str(path))
         return position, optimizer_fits
 
-    loaded, (position, optimizer_fits) = read_agreed(path, (MODEL_FILE, TRAIN_FILE), fits)
+    with_state = parts.task_state is not None and (path / TASK_STATE_FILE).is_file()
+
+    def state_fits(loaded: LoadedCheckpoint) -> tuple[dict[str, int], bool]:
+        if with_state and len(loaded.files[TASK_STATE_FILE]["ranks"]) != world_size:
+            raise UsageError("--resume", str(path), f"a checkpoint of {world_size} rank(s), as the task keeps "
+                             f"state per rank (Task.state); it was saved by {len(loaded.files[TASK_STATE_FILE]['ranks'])}",
+                             "resume with the world size it was saved with, or --resume none")
+        return fits(loaded)
+
+    names = (MODEL_FILE, TRAIN_FILE) + ((TASK_STATE_FILE,) if with_state else ())
+    loaded, (position, optimizer_fits) = read_agreed(path, names, state_fits)
     state = loaded.files[TRAIN_FILE]
     parts.model.load_state_dict(loaded.files[MODEL_FILE])
     if optimizer_fits:
@@ -174,5 +195,9 @@ def load_training_state(path: Path, parts: TrainingParts, rank: int, world_size:
     if saved_world != world_size:
         notice(f"checkpoint was saved with {saved_world} rank(s), resuming with {world_size}: "
                "the data position maps exactly, but the run is no longer bitwise reproducible")
+    if with_state:
+        parts.task_state.load_state_dict(to_device(loaded.files[TASK_STATE_FILE]["ranks"][rank], parts.device))
+    elif parts.task_state is not None:
+        notice("the checkpoint holds no task state (Task.state): the task's state starts fresh")
     restore_own_rng(loaded, rank, parts.device)
     return Restored(int(state["step"]), int(state["samples_seen"]), loaded.meta, optimizer_fits)

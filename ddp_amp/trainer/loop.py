@@ -281,7 +281,7 @@ class Trainer:
 
     def _parts(self) -> TrainingParts:
         return TrainingParts(unwrap_model(self.model), self.optimizer, self.scaler, self.scheduler,
-                             self.stream, self.device)
+                             self.stream, self.device, self.task.state)
 
     def save_checkpoint(self) -> Path | None:
         """Commit a checkpoint of the current step (collective: call on every rank).

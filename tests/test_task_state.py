@@ -1,0 +1,45 @@
+"""`Task.state`: what a task carries across steps (a TBPTT hidden state) is saved per rank
+in every checkpoint and given back on resume, so the run continues bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.multiproc import run_train
+
+PLUGIN = "tests.plugins.carried_state_task:make_task"
+
+
+def _run(run_dir: Path, steps: int, nproc: int = 2):
+    return run_train(["--task", PLUGIN, "--batch-size", "16", "--max-steps", str(steps), "--optimizer", "sgd",
+                      "--precision", "fp32", "--ckpt-every", "4", "--run-dir", str(run_dir)], nproc=nproc)
+
+
+def _load(run_dir: Path, step: int, name: str) -> dict:
+    return torch.load(run_dir / "checkpoints" / f"step-{step:08d}" / name, weights_only=True)
+
+
+def test_a_carried_hidden_state_resumes_bitwise_on_two_ranks(tmp_path: Path) -> None:
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    assert _run(straight, 12).returncode == 0
+    first = _run(halves, 6)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = _run(halves, 12)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from" in again.stdout
+    states = _load(straight, 12, "task_state.pt")["ranks"]
+    assert len(states) == 2 and not torch.equal(states[0]["value"], states[1]["value"])  # each rank its own
+    resumed = _load(halves, 12, "task_state.pt")["ranks"]
+    assert all(torch.equal(a["value"], b["value"]) for a, b in zip(states, resumed))
+    a, b = _load(straight, 12, "model.pt"), _load(halves, 12, "model.pt")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_another_world_size_is_refused_in_one_line_when_state_is_per_rank(tmp_path: Path) -> None:
+    assert _run(tmp_path, 4).returncode == 0
+    result = _run(tmp_path, 8, nproc=0)
+    assert result.returncode == 2
+    assert "expected a checkpoint of 1 rank(s), as the task keeps state per rank" in result.stderr
+    assert "Traceback" not in result.stderr
