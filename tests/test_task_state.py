@@ -21,7 +21,7 @@ def _load(run_dir: Path, step: int, name: str) -> dict:
     return torch.load(run_dir / "checkpoints" / f"step-{step:08d}" / name, weights_only=True)
 
 
-def test_a_carried_hidden_state_resumes_bitwise_on_two_ranks(tmp_path: Path) -> None:
+def test_a_carried_hidden_state_resumes_bitwise_on_two_ranks_and_only_there(tmp_path: Path) -> None:
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     assert _run(straight, 12).returncode == 0
     first = _run(halves, 6)
@@ -36,10 +36,8 @@ def test_a_carried_hidden_state_resumes_bitwise_on_two_ranks(tmp_path: Path) -> 
     a, b = _load(straight, 12, "model.pt"), _load(halves, 12, "model.pt")
     assert all(torch.equal(a[name], b[name]) for name in a)
 
-
-def test_another_world_size_is_refused_in_one_line_when_state_is_per_rank(tmp_path: Path) -> None:
-    assert _run(tmp_path, 4).returncode == 0
-    result = _run(tmp_path, 8, nproc=0)
-    assert result.returncode == 2
-    assert "expected a checkpoint of 1 rank(s), as the task keeps state per rank" in result.stderr
-    assert "Traceback" not in result.stderr
+    # Each rank's state belongs to its rank: another world size is refused, in one line.
+    other = _run(halves, 16, nproc=0)
+    assert other.returncode == 2
+    assert "expected a checkpoint of 1 rank(s), as the task keeps state per rank" in other.stderr
+    assert "Traceback" not in other.stderr
