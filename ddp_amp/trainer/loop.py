@@ -184,7 +184,7 @@ class Trainer:
             if self.schedule is not None:
                 self.schedule.after_eval(record)
             if self.best is not None:
-                self.best.after_eval(record, self.save_checkpoint)
+                self.best.after_eval(record, self._checkpoint_or_raise)
         return record
 
     def test_record(self) -> dict[str, Any]:
@@ -252,7 +252,7 @@ class Trainer:
         if last_eval.get("step") != self.step:  # reuse the cadence's metric at this very step
             last_eval = {"step": self.step, **self.evaluate()}
             if self.best is not None and len(last_eval) > 1:
-                self.best.after_eval(last_eval, self.save_checkpoint)
+                self.best.after_eval(last_eval, self._checkpoint_or_raise)
         summary.update({
             "steps": self.step,
             "steps_taken": self.step - skipped,
@@ -315,9 +315,11 @@ class Trainer:
             return "no checkpoint of this run holds a finite state yet: start again (--resume none)"
         return f"resume from {self.last_checkpoint}, the newest finite checkpoint (--resume auto picks it)"
 
-    def _checkpoint_or_raise(self) -> None:
-        if self.save_checkpoint() is None and self.checkpoint_error is not None:
+    def _checkpoint_or_raise(self) -> Path | None:
+        path = self.save_checkpoint()
+        if path is None and self.checkpoint_error is not None:
             raise mark_agreed(self.checkpoint_error, 0)  # the same SaveResult on every rank
+        return path
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore model, optimizer, scaler, scheduler, counters, data position and this
