@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from ddp_amp.errors import UsageError
 
@@ -118,12 +118,18 @@ def _check_task(spec: str, task: object) -> Task:
                          f"got {type(task.state).__name__}", "wrap what the task keeps in a small class with both")
     if task.test_data is not None and task.metric is None:
         raise UsageError("--task", spec, "Task.metric with Task.test_data", "the test pass scores it with the metric")
+    streamed = isinstance(task.train_data, IterableDataset)
+    if streamed and task.schedule_on == "epoch":
+        raise UsageError("--task", spec, "schedule_on='step' or 'eval:METRIC' with an iterable train_data",
+                         "ranks' passes over a stream may end a batch apart; schedule per step instead")
     for name in ("train_data", "eval_data", "test_data"):
         data = getattr(task, name)
+        if name == "train_data" and streamed:
+            continue
         if data is not None and not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
             raise UsageError("--task", spec, f"Task.{name} to be a map-style Dataset "
-                             f"(__getitem__ and __len__), got {type(data).__name__}",
-                             "wrap tensors in torch.utils.data.TensorDataset")
+                             f"(__getitem__ and __len__){' or an IterableDataset' if name == 'train_data' else ''}, "
+                             f"got {type(data).__name__}", "wrap tensors in torch.utils.data.TensorDataset")
     if task.loss_fn is not None and task.step_fn is not None:
         raise UsageError("--task", spec, "Task.loss_fn or Task.step_fn, not both",
                          "keep step_fn(model, batch) and compute the loss inside it")
@@ -131,7 +137,7 @@ def _check_task(spec: str, task: object) -> Task:
         if getattr(task, name) is not None and not callable(getattr(task, name)):
             raise UsageError("--task", spec, f"Task.{name} to be callable, got {type(getattr(task, name)).__name__}",
                              "e.g. loss_fn=torch.nn.functional.cross_entropy, or step_fn=my_step")
-    if len(task.train_data) == 0:  # type: ignore[arg-type]
+    if not streamed and len(task.train_data) == 0:  # type: ignore[arg-type]
         raise UsageError("--task", spec, "a non-empty Task.train_data", "check the dataset's path and size")
     if task.eval_data is not None and len(task.eval_data) == 0:  # type: ignore[arg-type]
         raise UsageError("--task", spec, "a non-empty Task.eval_data, or None",

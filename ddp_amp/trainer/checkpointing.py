@@ -7,7 +7,9 @@ Files, besides the `rng.pt` and `meta.json` that every checkpoint has (all loada
 - `train.pt`: optimizer, scaler (+ its skipped-step count), scheduler, step, samples seen
   and the data position;
 - `task_state.pt`, for a task that keeps state across steps (`Task.state`, e.g. a carried
-  hidden state): every rank's `state_dict()`, in rank order, on the CPU.
+  hidden state): every rank's `state_dict()`, in rank order, on the CPU;
+- `data.pt`, for an iterable dataset, whose position differs per rank: every rank's
+  (train.pt's `data` is then None).
 `meta.json` also holds the batch geometry, precision and config, which a resume checks
 before it loads any tensor. Saving and loading themselves are `ddp_amp.checkpoint`'s.
 """
@@ -27,9 +29,10 @@ from ddp_amp.amp import AgreedGradScaler
 from ddp_amp.checkpoint import LoadedCheckpoint, read_agreed, restore_own_rng, restore_scaler
 from ddp_amp.dist import all_gather_objects, to_device
 from ddp_amp.errors import UsageError
+from ddp_amp.trainer.iterable_stream import IterableStream
 from ddp_amp.trainer.stream import BatchStream
 
-MODEL_FILE, TRAIN_FILE, TASK_STATE_FILE = "model.pt", "train.pt", "task_state.pt"
+MODEL_FILE, TRAIN_FILE, TASK_STATE_FILE, DATA_FILE = "model.pt", "train.pt", "task_state.pt", "data.pt"
 
 
 @dataclass
@@ -40,9 +43,13 @@ class TrainingParts:
     optimizer: torch.optim.Optimizer
     scaler: AgreedGradScaler
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
-    stream: BatchStream
+    stream: BatchStream | IterableStream
     device: torch.device
     task_state: Any = None  # Task.state: state_dict() / load_state_dict(), one per rank
+
+
+def _per_rank(parts: TrainingParts) -> bool:
+    return getattr(parts.stream, "per_rank_position", False)
 
 
 def training_files(parts: TrainingParts, step: int, samples_seen: int) -> dict[str, Any]:
@@ -57,9 +64,11 @@ def training_files(parts: TrainingParts, step: int, samples_seen: int) -> dict[s
             "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
             "step": step,
             "samples_seen": samples_seen,
-            "data": parts.stream.state_dict(),
+            "data": None if _per_rank(parts) else parts.stream.state_dict(),
         },
     }
+    if _per_rank(parts):
+        files[DATA_FILE] = {"ranks": all_gather_objects(parts.stream.state_dict())}
     if parts.task_state is not None:
         own = tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v,
                        parts.task_state.state_dict())
@@ -164,20 +173,27 @@ def load_training_state(path: Path, parts: TrainingParts, rank: int, world_size:
         check_model_shapes(path, parts.model, loaded.files[MODEL_FILE])
         optimizer_fits = _optimizer_fits(path, loaded.meta.get("optimizer_class"), live_optimizer,
                                          optimizer_may_change)
+        if _per_rank(parts):  # each rank's own, from data.pt (state_fits checked it is there)
+            return loaded.files[DATA_FILE]["ranks"][rank], optimizer_fits
         position = map_data_position(loaded.meta, loaded.files[TRAIN_FILE]["data"], world_size,
                                      parts.stream.micro_batch_size, parts.stream.batches_per_epoch, str(path))
         return position, optimizer_fits
 
     with_state = parts.task_state is not None and (path / TASK_STATE_FILE).is_file()
+    per_rank = [name for name, present in ((TASK_STATE_FILE, with_state), (DATA_FILE, _per_rank(parts))) if present]
 
     def state_fits(loaded: LoadedCheckpoint) -> tuple[dict[str, int], bool]:
-        if with_state and len(loaded.files[TASK_STATE_FILE]["ranks"]) != world_size:
-            raise UsageError("--resume", str(path), f"a checkpoint of {world_size} rank(s), as the task keeps "
-                             f"state per rank (Task.state); it was saved by {len(loaded.files[TASK_STATE_FILE]['ranks'])}",
-                             "resume with the world size it was saved with, or --resume none")
+        for name in per_rank:
+            saved = loaded.files.get(name)
+            if saved is None or len(saved["ranks"]) != world_size:
+                what = "the task keeps state per rank (Task.state)" if name == TASK_STATE_FILE else \
+                    "an iterable dataset's position is per rank"
+                raise UsageError("--resume", str(path), f"a checkpoint of {world_size} rank(s), as {what}; it was "
+                                 f"saved by {len(saved['ranks']) if saved else 'another kind of dataset'}",
+                                 "resume with the world size it was saved with, or --resume none")
         return fits(loaded)
 
-    names = (MODEL_FILE, TRAIN_FILE) + ((TASK_STATE_FILE,) if with_state else ())
+    names = (MODEL_FILE, TRAIN_FILE) + tuple(name for name in per_rank if (path / name).is_file())
     loaded, (position, optimizer_fits) = read_agreed(path, names, state_fits)
     state = loaded.files[TRAIN_FILE]
     parts.model.load_state_dict(loaded.files[MODEL_FILE])

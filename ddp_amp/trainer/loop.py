@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import IterableDataset
 
 from ddp_amp import checkpoint
 from ddp_amp.checkpoint import safe_load
@@ -40,7 +41,8 @@ from ddp_amp.trainer.best import BestKeeper
 from ddp_amp.trainer.evaluation import evaluate
 from ddp_amp.trainer.schedules import SchedulerDriver
 from ddp_amp.trainer.optimizers import make_optimizer
-from ddp_amp.trainer.stream import BatchStream
+from ddp_amp.trainer.iterable_stream import IterableStream
+from ddp_amp.trainer.stream import BatchStream, collate
 
 _NOTHING = nullcontext()  # reusable: nullcontext keeps no state
 # What log_record writes itself: a step_fn's extra scalars may not take these names.
@@ -82,9 +84,14 @@ class Trainer:
         self.preemption = PreemptionWatch(requeue_signals, self.device, config.preempt_check_s, ctx.has_group,
                                           stop_signums=stop_signals)
         signums = self.preemption.signums
-        self.stream = BatchStream(task.train_data, config.micro_batch_size(ctx.world_size), ctx.rank,
-                                  ctx.world_size, config.seed, self.device, config.num_workers,
-                                  worker_init_fn=worker_ignores(signums))
+        if isinstance(task.train_data, IterableDataset):  # a stream: sharded by striding, resumed by replay
+            self.stream: BatchStream | IterableStream = IterableStream(
+                task.train_data, config.micro_batch_size(ctx.world_size), ctx.rank, ctx.world_size, self.device,
+                config.num_workers, collate_fn=collate, worker_init_fn=worker_ignores(signums))
+        else:
+            self.stream = BatchStream(task.train_data, config.micro_batch_size(ctx.world_size), ctx.rank,
+                                      ctx.world_size, config.seed, self.device, config.num_workers,
+                                      worker_init_fn=worker_ignores(signums))
         self.schedule = SchedulerDriver(self.scheduler, self.scaler, task.schedule_on, self.stream) \
             if self.scheduler else None
         self.step = 0  # optimizer steps attempted; skipped fp16 steps count

@@ -1,0 +1,101 @@
+"""Micro-batches from an `IterableDataset` (a stream: tokenized shards, a streaming dataset),
+with per-rank sharding and an exact resume, through torchdata's `StatefulDataLoader`.
+
+Sharding: the dataset yields the whole stream in every process; item k goes to rank r and
+DataLoader worker w when `k % (ranks x workers) == r x workers + w`. Every item is used
+once per pass, by one process, whatever the number of ranks and workers. A dataset must
+therefore not shard itself (by `get_worker_info` or by rank).
+
+An epoch is one pass over the stream; the next pass starts when a rank's share is used
+up. Ranks' shares differ by at most one item, so their epochs may turn over a batch apart:
+the epoch-wise LR cadence is refused for iterable data (it would change ranks' LRs at
+different steps).
+
+Resume: `StatefulDataLoader` saves how many batches each worker has yielded in this pass,
+and on resume replays the pass up to there: exact for any deterministic stream, at the cost
+of reading that part of the pass again. Each rank's position is its own, so a checkpoint
+holds every rank's and a resume needs the same world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ddp_amp.dist import to_device
+from ddp_amp.errors import UsageError
+
+
+class RankShard(IterableDataset):
+    """`dataset`'s items for one rank, split again over that rank's DataLoader workers."""
+
+    def __init__(self, dataset: IterableDataset, rank: int, world_size: int) -> None:
+        self.dataset, self.rank, self.world_size = dataset, rank, world_size
+
+    def __iter__(self) -> Iterator[Any]:
+        worker = get_worker_info()
+        workers, index = (worker.num_workers, worker.id) if worker is not None else (1, 0)
+        stride, offset = self.world_size * workers, self.rank * workers + index
+        for position, item in enumerate(self.dataset):
+            if position % stride == offset:
+                yield item
+
+
+class IterableStream:
+    """An endless stream of micro-batches for one rank over passes of an iterable dataset."""
+
+    per_rank_position = True  # a checkpoint keeps every rank's position (checkpointing.py)
+    batches_per_epoch = None  # unknown until a pass ends
+
+    def __init__(self, dataset: IterableDataset, micro_batch_size: int, rank: int, world_size: int,
+                 device: torch.device, num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
+                 worker_init_fn: Callable[[int], None] | None = None) -> None:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        # Its warning on each resume asks the dataset for a state_dict; the replay it
+        # announces is the documented behaviour here (RankShard keeps no state of its own).
+        logging.getLogger(StatefulDataLoader.__module__).setLevel(logging.ERROR)
+        self.micro_batch_size, self.device = micro_batch_size, device
+        with warnings.catch_warnings():  # torchdata calls a torch function that warns it is deprecated
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+            self.loader = StatefulDataLoader(RankShard(dataset, rank, world_size), batch_size=micro_batch_size,
+                                             drop_last=True, num_workers=num_workers, collate_fn=collate_fn,
+                                             pin_memory=device.type == "cuda", worker_init_fn=worker_init_fn)
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self._iterator: Iterator[Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the next micro-batch comes from: the pass, and the loader's own state."""
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+        self.loader.load_state_dict(state["loader"])
+        self._iterator = None
+
+    def __iter__(self) -> IterableStream:
+        return self
+
+    def _next_raw(self) -> Any:
+        if self._iterator is None:
+            self._iterator = iter(self.loader)
+        return next(self._iterator)
+
+    def __next__(self) -> Any:
+        try:
+            batch = self._next_raw()
+        except StopIteration:  # this rank's share of the pass is used up: the next pass
+            if self.batch_in_epoch == 0:
+                raise UsageError("Task.train_data", "an iterable dataset", f"at least one batch of "
+                                 f"{self.micro_batch_size} items per rank and pass",
+                                 "check the stream's source, or lower --batch-size") from None
+            self.epoch, self.batch_in_epoch, self._iterator = self.epoch + 1, 0, None
+            batch = self._next_raw()
+        self.batch_in_epoch += 1
+        return to_device(batch, self.device)
