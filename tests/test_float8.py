@@ -76,7 +76,7 @@ def _fresh_first_weight() -> torch.Tensor:
 def test_fp8_run_checkpoints_load_into_the_plain_model_and_resume(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     first = run_train([*SMALL, "--precision", "fp8", "--fp8-emulate", "--max-steps", "4", "--ckpt-every", "2",
-                       "--run-dir", str(run_dir)], nproc=2)
+                       "--run-dir", str(run_dir)])
     assert first.returncode == 0, first.stderr[-2000:]
     saved = safe_load(run_dir / "checkpoints" / "step-00000004" / "model.pt")
     plain = make_model(64, 32, 16, 3)
@@ -85,7 +85,7 @@ def test_fp8_run_checkpoints_load_into_the_plain_model_and_resume(tmp_path: Path
 
     # The run goes on, with the same precision, from the last checkpoint.
     again = run_train([*SMALL, "--precision", "fp8", "--fp8-emulate", "--max-steps", "6", "--run-dir",
-                       str(run_dir)], nproc=2)
+                       str(run_dir)])
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resumed from" in again.stdout and "step-00000004" in again.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
