@@ -29,11 +29,14 @@ def _records(run_dir: Path) -> list[dict]:
     return [record for record in map(json.loads, lines) if "loss" in record and "step" in record]
 
 
-def test_dict_batches_and_a_step_fn_train_on_two_ranks_and_log_its_scalars(tmp_path: Path) -> None:
-    result = _train("dict_step", tmp_path, "--grad-accum", "2", nproc=2, steps=20)
+def test_dict_batches_train_through_a_step_fn_and_evaluate_through_an_eval_fn_on_two_ranks(tmp_path: Path) -> None:
+    result = _train("dict_step", tmp_path, "--grad-accum", "2", "--eval-every", "10", nproc=2, steps=20)
     assert result.returncode == 0, result.stderr[-2000:]
     records = _records(tmp_path)
     assert [r["step"] for r in records] == [10, 20]
+    lines = map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+    evals = {r["step"]: r["eval_accuracy"] for r in lines if "eval_accuracy" in r}
+    assert sorted(evals) == [0, 10, 20] and all(0.0 <= v <= 1.0 for v in evals.values())  # eval_fn's score
     assert all(0.0 <= r["train_accuracy"] <= 1.0 for r in records)  # the step_fn's own scalar, logged
     assert records[-1]["loss"] < records[0]["loss"]
     assert "train_accuracy=" in result.stdout

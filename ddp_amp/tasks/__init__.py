@@ -72,6 +72,9 @@ class Task:
     # object with state_dict() / load_state_dict(); every checkpoint saves each rank's and
     # a resume gives each rank its own back. The task's step_fn reads and updates it.
     state: Any = None
+    # Instead of metric, for batches that are not (input, target): eval_fn(model, batch) ->
+    # {name: (sum Tensor, count)}, summed over batches and ranks like metric's.
+    eval_fn: Callable[[nn.Module, Any], Mapping[str, tuple[torch.Tensor, int]]] | None = None
 
 
 def parse_task_options(options: Mapping[str, str], defaults: Mapping[str, int | float]) -> dict[str, int | float]:
@@ -109,15 +112,16 @@ def _check_task(spec: str, task: object) -> Task:
     if kind not in ("step", "epoch", "eval") or (kind == "eval") != bool(colon and metric):
         raise UsageError("--task", spec, f"Task.schedule_on to be 'step', 'epoch' or 'eval:METRIC', "
                          f"got {task.schedule_on!r}", "e.g. schedule_on='eval:eval_nll' for ReduceLROnPlateau")
-    if kind == "eval" and task.metric is None:
+    if kind == "eval" and task.metric is None and task.eval_fn is None:
         raise UsageError("--task", spec, "Task.eval_data and Task.metric with schedule_on='eval:...'",
                          "a metric-driven schedule needs an evaluation to read")
     if task.state is not None and not all(callable(getattr(task.state, name, None))
                                           for name in ("state_dict", "load_state_dict")):
         raise UsageError("--task", spec, f"Task.state to have state_dict() and load_state_dict(), "
                          f"got {type(task.state).__name__}", "wrap what the task keeps in a small class with both")
-    if task.test_data is not None and task.metric is None:
-        raise UsageError("--task", spec, "Task.metric with Task.test_data", "the test pass scores it with the metric")
+    if task.test_data is not None and task.metric is None and task.eval_fn is None:
+        raise UsageError("--task", spec, "Task.metric (or eval_fn) with Task.test_data",
+                         "the test pass scores it with the metric")
     streamed = isinstance(task.train_data, IterableDataset)
     if streamed and task.schedule_on == "epoch":
         raise UsageError("--task", spec, "schedule_on='step' or 'eval:METRIC' with an iterable train_data",
@@ -142,12 +146,15 @@ def _check_task(spec: str, task: object) -> Task:
     if task.eval_data is not None and len(task.eval_data) == 0:  # type: ignore[arg-type]
         raise UsageError("--task", spec, "a non-empty Task.eval_data, or None",
                          "give the held-out set items, or leave eval_data and metric out")
-    for name in ("metric", "make_optimizer", "make_scheduler", "finalize_metrics"):
+    for name in ("metric", "eval_fn", "make_optimizer", "make_scheduler", "finalize_metrics"):
         if getattr(task, name) is not None and not callable(getattr(task, name)):
             raise UsageError("--task", spec, f"Task.{name} to be callable or None, "
                              f"got {type(getattr(task, name)).__name__}", "pass a function, or leave it out")
-    if (task.eval_data is None) != (task.metric is None):
-        raise UsageError("--task", spec, "Task.eval_data and Task.metric given together (or neither)",
+    if task.metric is not None and task.eval_fn is not None:
+        raise UsageError("--task", spec, "Task.metric or Task.eval_fn, not both",
+                         "eval_fn(model, batch) computes the metric from the batch itself")
+    if (task.eval_data is None) != (task.metric is None and task.eval_fn is None):
+        raise UsageError("--task", spec, "Task.eval_data and Task.metric (or eval_fn) given together (or neither)",
                          "a metric needs held-out data to run on")
     for name in ("default_lr", "default_clip_grad_norm"):
         value = getattr(task, name)

@@ -19,14 +19,15 @@ from ddp_amp.trainer.stream import collate
 @torch.no_grad()
 def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: DistContext,
              micro_batch_size: int, data: Dataset | None = None, prefix: str = "eval_") -> dict[str, float]:
-    """`task.metric` over `data` (default `task.eval_data`), names prefixed (collective: all ranks call it).
+    """`task.metric` (or `task.eval_fn`) over `data` (default `task.eval_data`), names prefixed
+    (collective: all ranks call it).
 
     `forward` runs the batches: the autocast wrapper, not DDP (no gradient buckets, no
     buffer broadcast, the same dtype the training forward used). `train_mode_of` is put
     in eval mode for the pass and back in train mode after it.
     """
     data = task.eval_data if data is None else data
-    if data is None or task.metric is None:
+    if data is None or (task.metric is None and task.eval_fn is None):
         return {}
     sampler = range(ctx.rank, len(data), ctx.world_size)  # type: ignore[arg-type]
     # A held-out set smaller than the world leaves some ranks no item; they still have
@@ -42,8 +43,13 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: Dist
         loader = DataLoader(data, batch_size=micro_batch_size, sampler=sampler,
                             generator=torch.Generator(), collate_fn=collate)
         for batch in loader:
-            inputs, target = to_device(batch, ctx.device)
-            for name, (total, count) in task.metric(forward(inputs), target).items():
+            batch = to_device(batch, ctx.device)
+            if task.eval_fn is not None:  # the task scores batches of its own shape
+                scored = task.eval_fn(forward, batch)
+            else:
+                inputs, target = batch
+                scored = task.metric(forward(inputs), target)  # type: ignore[misc]
+            for name, (total, count) in scored.items():
                 pair = weight * torch.stack([total.detach().double().to(ctx.device),
                                              torch.tensor(float(count), dtype=torch.float64, device=ctx.device)])
                 sums[name] = sums[name] + pair if name in sums else pair

@@ -102,7 +102,7 @@ class Trainer:
         self.checkpoint_error: checkpoint.CheckpointError | None = None
         self._saved_step: int | None = None
         self.last_checkpoint: Path | None = None  # the newest this run committed or resumed from
-        if config.keep_best and task.metric is None:
+        if config.keep_best and task.metric is None and task.eval_fn is None:
             raise UsageError("--keep-best", config.keep_best, "a task with eval_data and a metric",
                              "the best checkpoint is chosen by an eval metric; drop --keep-best")
         self.best = BestKeeper(config.keep_best, checkpoint_root, run_log.info) \

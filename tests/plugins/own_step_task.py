@@ -1,7 +1,7 @@
 """Plugin tasks whose batches are not `(input, target)`: `--task-opt kind=...` picks one.
 
-- `dict_step`: dict items `{"features", "labels"}` and a `step_fn` that returns the loss
-  and an accuracy to log;
+- `dict_step`: dict items `{"features", "labels"}`, a `step_fn` that returns the loss and
+  an accuracy to log, and an `eval_fn` that scores held-out dict batches;
 - `two_inputs`: a forward `model(x, scale)` with two inputs, through a `step_fn`;
 - `own_loss`: a model that computes its own loss from keyword inputs and returns an output
   with `.loss`, as Hugging Face models do; no loss_fn, no step_fn;
@@ -34,6 +34,11 @@ class _DictItems(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {"features": self.features[index], "labels": self.labels[index]}
+
+
+def _dict_eval(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, int]]:
+    logits = model(batch["features"])
+    return {"accuracy": ((logits.argmax(1) == batch["labels"]).sum(), len(batch["labels"]))}
 
 
 def _dict_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -88,7 +93,8 @@ def make_task(config: TrainConfig) -> Task:
     kind = config.task_options().get("kind", "dict_step")
     classifier = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, CLASSES))
     tasks: dict[str, Any] = {
-        "dict_step": lambda: Task(model=classifier, train_data=_DictItems(256), step_fn=_dict_step),
+        "dict_step": lambda: Task(model=classifier, train_data=_DictItems(256), step_fn=_dict_step,
+                                  eval_data=_DictItems(48), eval_fn=_dict_eval),
         "two_inputs": lambda: Task(model=_Scaled(), train_data=_PairItems(256), step_fn=_two_input_step),
         "own_loss": lambda: Task(model=_OwnLoss(), train_data=_DictItems(256)),
         "bad_result": lambda: Task(model=classifier, train_data=_DictItems(256), step_fn=lambda m, b: "loss"),
