@@ -28,7 +28,8 @@ from ddp_amp.checkpoint.save import (META_FILE, RNG_FILE, CheckpointError, SaveR
                                      save_checkpoint, save_directory)
 
 __all__ = [
-    "BEST_FILE", "META_FILE", "RNG_FILE", "BestRecord", "read_best", "write_best", "CheckpointError", "IncompleteCheckpoint", "LoadedCheckpoint", "SaveResult",
+    "BEST_FILE", "META_FILE", "RNG_FILE", "BestRecord", "CheckpointError", "IncompleteCheckpoint",
+    "LoadedCheckpoint", "SaveResult", "read_best", "write_best",
     "apply_retention", "capture_rng", "check_loadable", "checkpoint_root", "choose_checkpoint",
     "commit_checkpoint", "commit_directory", "complete_copy", "ensure_writable", "gather_rng_states",
     "list_step_dirs", "newest_complete", "read_agreed", "read_checkpoint", "resolve_resume",

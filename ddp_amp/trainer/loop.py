@@ -34,8 +34,8 @@ from ddp_amp.errors import UsageError
 from ddp_amp.guards import PreemptionWatch, RunWatch, stop_for_preemption, worker_ignores
 from ddp_amp.metrics import RunLog, peak_memory_mb
 from ddp_amp.tasks import Task
-from ddp_amp.trainer.checkpointing import (MODEL_FILE, TrainingParts, load_training_state, run_meta, scale_learning_rates,
-                                          training_files)
+from ddp_amp.trainer.checkpointing import (MODEL_FILE, TrainingParts, load_training_state, run_meta,
+                                          scale_learning_rates, training_files)
 from ddp_amp.trainer.batch_loss import BatchLoss
 from ddp_amp.trainer.best import BestKeeper
 from ddp_amp.trainer.evaluation import evaluate

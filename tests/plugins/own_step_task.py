@@ -59,7 +59,8 @@ class _Scaled(nn.Module):
 class _PairItems(Dataset):
     def __init__(self, count: int) -> None:
         generator = torch.Generator().manual_seed(1)
-        self.x, self.scale = torch.randn(count, FEATURES, generator=generator), torch.rand(count, 1, generator=generator)
+        self.x = torch.randn(count, FEATURES, generator=generator)
+        self.scale = torch.rand(count, 1, generator=generator)
 
     def __len__(self) -> int:
         return len(self.x)
