@@ -24,6 +24,7 @@ NCCL); DeepSpeed and Megatron-LM pay the same for the same reason.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -92,6 +93,17 @@ class AgreedGradScaler(torch.amp.GradScaler):
         found_inf_per_device = super()._check_inf_per_device(optimizer)
         self._agree(found_inf_per_device)
         return found_inf_per_device
+
+    def skip_together(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """One skip decision for several unscaled optimizers: an inf in any one's gradients
+        skips them all (device ops only; call after `unscale_` of each, before `step`)."""
+        if not self._enabled or len(optimizers) < 2:
+            return
+        flags = [flag for optimizer in optimizers
+                 for flag in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()]
+        combined = torch.stack([flag.to(flags[0].device) for flag in flags]).amax()
+        for flag in flags:  # in place: step() and fused optimizers read these very tensors
+            flag.copy_(combined)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         if self._enabled and self._scale is not None:

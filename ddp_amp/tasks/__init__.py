@@ -56,7 +56,7 @@ class Task:
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     eval_data: Dataset | None = None
     metric: MetricFn | None = None
-    make_optimizer: OptimizerFactory | None = None  # None: AdamW
+    make_optimizer: OptimizerFactory | None = None  # None: AdamW; may return a list (stepped together)
     make_scheduler: SchedulerFactory | None = None  # stepped as schedule_on says
     default_lr: float = 1e-3
     name: str = ""

@@ -12,7 +12,7 @@
   evaluation with a metric); `lr_steps`: the per-step cadence, on taken steps only, without a
   host sync per step;
 - `evaluation`: the task's metric, exact over any number of ranks;
-- `optimizers`: the task's optimizer, or AdamW / SGD with the fastest kernels;
+- `optimizers`: the task's optimizer(s), or AdamW / SGD with the fastest kernels;
 - `checkpointing`: what the Trainer puts into a checkpoint and takes back out.
 
 Imports every layer below it; nothing below imports it.
@@ -20,6 +20,6 @@ Imports every layer below it; nothing below imports it.
 
 from ddp_amp.trainer.build import build_trainer, prepare_task, seed_everything
 from ddp_amp.trainer.loop import Trainer
-from ddp_amp.trainer.optimizers import make_optimizer
+from ddp_amp.trainer.optimizers import make_optimizer, make_optimizers
 
-__all__ = ["Trainer", "build_trainer", "make_optimizer", "prepare_task", "seed_everything"]
+__all__ = ["Trainer", "build_trainer", "make_optimizer", "make_optimizers", "prepare_task", "seed_everything"]

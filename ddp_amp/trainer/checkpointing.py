@@ -4,7 +4,8 @@ Files, besides the `rng.pt` and `meta.json` that every checkpoint has (all loada
 `torch.load(weights_only=True)`):
 - `model.pt`: the user's module's `state_dict()` (no DDP `module.` / wrapper prefixes), so
   it loads into a plain `nn.Module`;
-- `train.pt`: optimizer, scaler (+ its skipped-step count), scheduler, step, samples seen
+- `train.pt`: optimizer (a list, for a task with several), scaler (+ its skipped-step count),
+  scheduler, step, samples seen
   and the data position;
 - `task_state.pt`, for a task that keeps state across steps (`Task.state`, e.g. a carried
   hidden state): every rank's `state_dict()`, in rank order, on the CPU;
@@ -40,12 +41,23 @@ class TrainingParts:
     """The live objects a checkpoint reads from and writes into."""
 
     model: nn.Module  # the user's module, unwrapped
-    optimizer: torch.optim.Optimizer
+    optimizers: tuple[torch.optim.Optimizer, ...]  # usually one; a task may make several
     scaler: AgreedGradScaler
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     stream: BatchStream | IterableStream
     device: torch.device
     task_state: Any = None  # Task.state: state_dict() / load_state_dict(), one per rank
+
+
+def _optimizer_states(parts: TrainingParts) -> Any:
+    """One optimizer's state_dict, or the list of several (in the task's order)."""
+    states = [optimizer.state_dict() for optimizer in parts.optimizers]
+    return states[0] if len(states) == 1 else states
+
+
+def _optimizer_names(parts: TrainingParts) -> str:
+    """'AdamW', or 'SGD+Adam' for several: a resume compares it before loading any state."""
+    return "+".join(type(optimizer).__name__ for optimizer in parts.optimizers)
 
 
 def _per_rank(parts: TrainingParts) -> bool:
@@ -58,7 +70,7 @@ def training_files(parts: TrainingParts, step: int, samples_seen: int) -> dict[s
     files = {
         MODEL_FILE: parts.model.state_dict(),
         TRAIN_FILE: {
-            "optimizer": parts.optimizer.state_dict(),
+            "optimizer": _optimizer_states(parts),
             "scaler": parts.scaler.state_dict(),
             "scaler_skipped_total": int(parts.scaler.skipped_steps().item()),
             "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
@@ -80,7 +92,7 @@ def run_meta(config: dict[str, Any], parts: TrainingParts, precision: str, step:
     """What a resume checks compatibility against before loading tensors (into meta.json)."""
     return {"step": step, "micro_batch_size": parts.stream.micro_batch_size,
             "batches_per_epoch": parts.stream.batches_per_epoch, "precision": precision,
-            "loss_scaling": parts.scaler.is_enabled(), "optimizer_class": type(parts.optimizer).__name__,
+            "loss_scaling": parts.scaler.is_enabled(), "optimizer_class": _optimizer_names(parts),
             "config": config}
 
 
@@ -167,7 +179,7 @@ def load_training_state(path: Path, parts: TrainingParts, rank: int, world_size:
     Collective. Any rank's refusal (unreadable, another model or optimizer, a data position
     that does not map onto this world) is raised on every rank before anything is applied.
     """
-    live_optimizer = type(parts.optimizer).__name__
+    live_optimizer = _optimizer_names(parts)
 
     def fits(loaded: LoadedCheckpoint) -> tuple[dict[str, int], bool]:
         check_model_shapes(path, parts.model, loaded.files[MODEL_FILE])
@@ -198,7 +210,9 @@ def load_training_state(path: Path, parts: TrainingParts, rank: int, world_size:
     state = loaded.files[TRAIN_FILE]
     parts.model.load_state_dict(loaded.files[MODEL_FILE])
     if optimizer_fits:
-        parts.optimizer.load_state_dict(state["optimizer"])
+        saved_states = state["optimizer"] if len(parts.optimizers) > 1 else [state["optimizer"]]
+        for optimizer, saved in zip(parts.optimizers, saved_states):
+            optimizer.load_state_dict(saved)
     else:
         notice(f"the optimizer changed from {loaded.meta['optimizer_class']} to {live_optimizer} "
                "(--allow-change optimizer): it starts fresh")

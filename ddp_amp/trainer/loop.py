@@ -40,7 +40,7 @@ from ddp_amp.trainer.batch_loss import BatchLoss
 from ddp_amp.trainer.best import BestKeeper
 from ddp_amp.trainer.evaluation import evaluate
 from ddp_amp.trainer.schedules import SchedulerDriver
-from ddp_amp.trainer.optimizers import make_optimizer
+from ddp_amp.trainer.optimizers import make_optimizers
 from ddp_amp.trainer.iterable_stream import IterableStream
 from ddp_amp.trainer.stream import BatchStream, collate
 
@@ -76,8 +76,11 @@ class Trainer:
         self.batch_loss = BatchLoss(task, compile_loss=config.compile)
         self.extras: dict[str, torch.Tensor] = {}  # a step_fn's other scalars, last step, on the device
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(task, config.optimizer, self.params,
-                                        config.lr or task.default_lr, self.device, config.optimizer_impl)
+        # A task may make several optimizers (a GAN's two); they step together or not at all,
+        # on one agreed skip decision. The first one's LR is logged and scheduled.
+        self.optimizers = make_optimizers(task, config.optimizer, self.params, config.lr or task.default_lr,
+                                          self.device, config.optimizer_impl)
+        self.optimizer = self.optimizers[0]
         self.scheduler = task.make_scheduler(self.optimizer) if task.make_scheduler else None
         self.clip_grad_norm = config.clip_grad_norm or task.default_clip_grad_norm or None
         requeue_signals, stop_signals = config.signals()
@@ -136,9 +139,11 @@ class Trainer:
             step_loss = detached if step_loss is None else step_loss + detached
             if extras:
                 self._add_extras(extras, first=micro == 0, accum=accum)
-        amp_step(self.scaler, (self.optimizer,), clip_grad_norm=self.clip_grad_norm, clip_params=self.params)
+        amp_step(self.scaler, self.optimizers, clip_grad_norm=self.clip_grad_norm, clip_params=self.params,
+                 skip_together=True)
         self.watch.after_update(self.step + 1, step_loss)  # before zero_grad: forensics reads the grads
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
         if self.schedule is not None:  # per step: on taken steps only, without a host sync per step
             self.schedule.after_step()
         self.step += 1
@@ -287,7 +292,7 @@ class Trainer:
     # --- checkpoints: the files are trainer/checkpointing.py's, the protocol ddp_amp.checkpoint's ---
 
     def _parts(self) -> TrainingParts:
-        return TrainingParts(unwrap_model(self.model), self.optimizer, self.scaler, self.scheduler,
+        return TrainingParts(unwrap_model(self.model), self.optimizers, self.scaler, self.scheduler,
                              self.stream, self.device, self.task.state)
 
     def save_checkpoint(self) -> Path | None:
@@ -353,8 +358,9 @@ class Trainer:
         new_lr = self.config.lr or self.task.default_lr
         if "lr" not in saved_config or saved_lr == new_lr:
             return
-        scale_learning_rates(self.optimizer, self.scheduler, new_lr / saved_lr)
-        rates = ", ".join(f"{group['lr']:.6g}" for group in self.optimizer.param_groups)
+        for index, optimizer in enumerate(self.optimizers):  # the scheduler is the first one's
+            scale_learning_rates(optimizer, self.scheduler if index == 0 else None, new_lr / saved_lr)
+        rates = ", ".join(f"{group['lr']:.6g}" for optimizer in self.optimizers for group in optimizer.param_groups)
         self.run_log.info(f"--lr {new_lr:g} (saved {saved_lr:g}): the optimizer's learning rates are now {rates}")
 
     def resume(self, choice: str) -> Path | None:

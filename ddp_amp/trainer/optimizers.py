@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ddp_amp.errors import UsageError
 from ddp_amp.tasks import Task
 
 
@@ -22,11 +23,33 @@ def optimizer_kwargs(impl: str, device: torch.device) -> list[dict[str, bool]]:
     return [{"fused": True}, {"foreach": device.type == "cuda"}]
 
 
+def make_optimizers(task: Task, choice: str, params: list[nn.Parameter], lr: float,
+                    device: torch.device, impl: str = "auto") -> tuple[torch.optim.Optimizer, ...]:
+    """The task's own optimizer(s) for `auto` when it has them (its `make_optimizer` may return
+    several, e.g. a GAN's two), else one AdamW or SGD, fused where possible."""
+    if choice == "auto" and task.make_optimizer is not None:
+        made = task.make_optimizer(params, lr)
+        optimizers = tuple(made) if isinstance(made, (list, tuple)) else (made,)
+        if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            raise UsageError("Task.make_optimizer's result", type(made).__name__,
+                             "a torch.optim.Optimizer, or a list of them", "return the optimizer(s) you built")
+        return optimizers
+    return (_built_in(choice, params, lr, device, impl),)
+
+
 def make_optimizer(task: Task, choice: str, params: list[nn.Parameter], lr: float,
                    device: torch.device, impl: str = "auto") -> torch.optim.Optimizer:
-    """The task's own optimizer for `auto` when it has one, else AdamW or SGD, fused where possible."""
-    if choice == "auto" and task.make_optimizer is not None:
-        return task.make_optimizer(params, lr)
+    """The run's one optimizer (`make_optimizers`, for a task that makes exactly one)."""
+    optimizers = make_optimizers(task, choice, params, lr, device, impl)
+    if len(optimizers) != 1:
+        raise UsageError("Task.make_optimizer's result", f"{len(optimizers)} optimizers", "one optimizer here",
+                         "use ddp_amp.trainer.make_optimizers for several")
+    return optimizers[0]
+
+
+def _built_in(choice: str, params: list[nn.Parameter], lr: float,
+              device: torch.device, impl: str = "auto") -> torch.optim.Optimizer:
+    """AdamW (for `auto` and `adamw`) or SGD, fused where possible."""
     kind = torch.optim.SGD if choice == "sgd" else torch.optim.AdamW
     attempts = optimizer_kwargs(impl, device)
     for kwargs in attempts[:-1]:
