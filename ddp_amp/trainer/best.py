@@ -11,13 +11,14 @@ weights of the best checkpoint (or the final ones without `--keep-best`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ddp_amp.checkpoint import BestRecord, read_best, write_best
 from ddp_amp.dist import on_rank_zero
-from ddp_amp.errors import UsageError
+from ddp_amp.trainer.evaluation import metric_of
 
 
 def parse_keep_best(spec: str) -> tuple[str, str]:
@@ -44,17 +45,12 @@ class BestKeeper:
 
     def after_eval(self, record: dict[str, Any], save: Callable[[], Path | None]) -> None:
         """Collective (the save): keep this step's checkpoint if `record` beats the best."""
+        # Checked at the evaluation before the first step too, so a wrong name stops the run early.
+        value = metric_of(record, self.metric, "--keep-best", self.spec, "--keep-best {name}")
         step = record.get("step", 0)
-        if self.metric not in record:  # the evaluation before the first step finds it early
-            names = sorted(name for name in record if name != "step")
-            raise UsageError("--keep-best", self.spec, f"a metric the task's evaluation reports ({', '.join(names)})",
-                             f"e.g. --keep-best {names[0] if names else 'eval_loss'}")
         if step == 0:  # before the first step: nothing trained to keep
             return
-        value = float(record[self.metric])
-        if self.best is not None and not self.best.beaten_by(value):
-            return
-        if self.best is None and value != value:  # NaN is never a best
+        if math.isnan(value) or (self.best is not None and not self.best.beaten_by(value)):
             return
         if save() is None:  # checkpointing off or the write failed: nothing to point at
             return

@@ -7,11 +7,14 @@ result does not depend on the world size.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_amp.dist import DistContext, all_reduce_, to_device
+from ddp_amp.errors import UsageError
 from ddp_amp.tasks import Task
 from ddp_amp.trainer.stream import collate
 
@@ -62,3 +65,13 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: Dist
     if task.finalize_metrics is not None:
         means = task.finalize_metrics(means)
     return {f"{prefix}{name}": value for name, value in means.items()}
+
+
+def metric_of(record: dict[str, Any], metric: str, what: str, value: str, example: str) -> float:
+    """`record[metric]` of an evaluation's record, or a one-line error naming the metrics it
+    has; `example` is the hint, with `{name}` for one of them (`--keep-best {name}`)."""
+    if metric not in record:
+        names = sorted(name for name in record if name != "step")
+        raise UsageError(what, value, f"a metric the task's evaluation reports ({', '.join(names)})",
+                         "e.g. " + example.format(name=names[0] if names else "eval_loss"))
+    return float(record[metric])

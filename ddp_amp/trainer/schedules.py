@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddp_amp.amp import AgreedGradScaler
-from ddp_amp.errors import UsageError
+from ddp_amp.trainer.evaluation import metric_of
 from ddp_amp.trainer.lr_steps import TakenStepScheduler
 from ddp_amp.trainer.stream import BatchStream
 
@@ -47,13 +47,10 @@ class SchedulerDriver:
         """After an evaluation logged as `record` (eval metrics are the same on every rank)."""
         if self.kind != "eval":
             return
-        if self.metric not in record:
-            names = sorted(name for name in record if name != "step")
-            raise UsageError("Task.schedule_on", f"eval:{self.metric}",
-                             f"a metric the task's evaluation reports ({', '.join(names)})",
-                             f"e.g. schedule_on='eval:{names[0] if names else 'eval_loss'}'")
+        value = metric_of(record, self.metric, "Task.schedule_on", f"eval:{self.metric}",
+                          "schedule_on='eval:{name}'")
         if record.get("step", 0) > 0:
-            self.scheduler.step(float(record[self.metric]))
+            self.scheduler.step(value)
 
     def before_checkpoint(self) -> None:
         if self.per_step is not None:  # the scheduler's state must be exact from here on
