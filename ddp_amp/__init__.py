@@ -16,7 +16,7 @@ from ddp_amp.dist import DistContext, distributed, init_distributed, shutdown_di
 from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.session import Session
-from ddp_amp.tasks import Task, load_task
+from ddp_amp.tasks import LoaderRequest, Task, load_task
 from ddp_amp.version import __version__
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "AutocastModule",
     "DistContext",
     "DistEnv",
+    "LoaderRequest",
     "Precision",
     "Session",
     "StepResult",

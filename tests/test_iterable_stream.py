@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from ddp_amp.trainer.iterable_stream import IterableStream, RankShard
+from ddp_amp.trainer.iterable_stream import RankShard, iterable_stream
 from tests.multiproc import run_train
 from tests.plugins.stream_task import TeacherStream
 
@@ -29,11 +29,11 @@ def test_ranks_and_workers_share_out_each_item_once() -> None:
 
 
 def test_passes_follow_one_another_and_the_position_resumes_mid_pass() -> None:
-    stream = IterableStream(TeacherStream(20), 4, rank=0, world_size=1, device=torch.device("cpu"))
+    stream = iterable_stream(TeacherStream(20), 4, rank=0, world_size=1, device=torch.device("cpu"))
     seen = [next(stream)[0] for _ in range(7)]  # 5 batches a pass: the 6th starts pass 1
     assert stream.epoch == 1 and stream.batch_in_epoch == 2
     assert torch.equal(seen[5], seen[0]) and torch.equal(seen[6], seen[1])
-    again = IterableStream(TeacherStream(20), 4, rank=0, world_size=1, device=torch.device("cpu"))
+    again = iterable_stream(TeacherStream(20), 4, rank=0, world_size=1, device=torch.device("cpu"))
     again.load_state_dict(stream.state_dict())
     assert torch.equal(next(again)[0], seen[2]) and again.epoch == 1
 

@@ -33,6 +33,24 @@ FinalizeFn = Callable[[dict[str, float]], dict[str, float]]
 # task's own step, for batches and forwards of any shape (trainer/batch_loss.py).
 StepFn = Callable[[nn.Module, Any], Any]
 
+
+@dataclass(frozen=True)
+class LoaderRequest:
+    """What `Task.make_loader` is told about the rank it builds a loader for."""
+
+    rank: int
+    world_size: int
+    micro_batch_size: int  # items per batch on this rank: --batch-size / (world size x --grad-accum)
+    num_workers: int  # --num-workers
+    seed: int  # --seed: for a sampler's shuffle (DistributedSampler(seed=...))
+    device: torch.device  # where batches go: pin_memory=device.type == "cuda" pays there
+    # Makes DataLoader workers ignore the signals the main process handles (preemption);
+    # pass it on as worker_init_fn, or call it first in your own.
+    worker_init_fn: Callable[[int], None]
+
+
+LoaderFactory = Callable[[LoaderRequest], Iterable[Any]]
+
 BUILTIN_TASKS: dict[str, str] = {
     "mlp": "ddp_amp.tasks.mlp:make_task",
     "lm": "ddp_amp.tasks.lm:make_task",
@@ -52,7 +70,7 @@ class Task:
     """
 
     model: nn.Module
-    train_data: Dataset
+    train_data: Dataset | None = None  # or make_loader
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     eval_data: Dataset | None = None
     metric: MetricFn | None = None
@@ -75,6 +93,11 @@ class Task:
     # Instead of metric, for batches that are not (input, target): eval_fn(model, batch) ->
     # {name: (sum Tensor, count)}, summed over batches and ranks like metric's.
     eval_fn: Callable[[nn.Module, Any], Mapping[str, tuple[torch.Tensor, int]]] | None = None
+    # Instead of train_data: make_loader(LoaderRequest) -> this rank's loader of training
+    # micro-batches, sharded by the task (a DistributedSampler, say), with state_dict() and
+    # load_state_dict() for an exact resume (torchdata's StatefulDataLoader). One pass over
+    # it is an epoch. trainer/task_loader.py.
+    make_loader: LoaderFactory | None = None
 
 
 def parse_task_options(options: Mapping[str, str], defaults: Mapping[str, int | float]) -> dict[str, int | float]:
@@ -122,13 +145,19 @@ def _check_task(spec: str, task: object) -> Task:
     if task.test_data is not None and task.metric is None and task.eval_fn is None:
         raise UsageError("--task", spec, "Task.metric (or eval_fn) with Task.test_data",
                          "the test pass scores it with the metric")
+    if (task.train_data is None) == (task.make_loader is None):
+        raise UsageError("--task", spec, "Task.train_data or Task.make_loader (one of them)",
+                         "give the dataset, or a function that builds this rank's loader")
+    if task.make_loader is not None and not callable(task.make_loader):
+        raise UsageError("--task", spec, f"Task.make_loader to be callable, got {type(task.make_loader).__name__}",
+                         "make_loader=lambda request: StatefulDataLoader(...)")
     streamed = isinstance(task.train_data, IterableDataset)
     if streamed and task.schedule_on == "epoch":
         raise UsageError("--task", spec, "schedule_on='step' or 'eval:METRIC' with an iterable train_data",
                          "ranks' passes over a stream may end a batch apart; schedule per step instead")
     for name in ("train_data", "eval_data", "test_data"):
         data = getattr(task, name)
-        if name == "train_data" and streamed:
+        if name == "train_data" and (streamed or data is None):
             continue
         if data is not None and not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
             raise UsageError("--task", spec, f"Task.{name} to be a map-style Dataset "
@@ -141,7 +170,7 @@ def _check_task(spec: str, task: object) -> Task:
         if getattr(task, name) is not None and not callable(getattr(task, name)):
             raise UsageError("--task", spec, f"Task.{name} to be callable, got {type(getattr(task, name)).__name__}",
                              "e.g. loss_fn=torch.nn.functional.cross_entropy, or step_fn=my_step")
-    if not streamed and len(task.train_data) == 0:  # type: ignore[arg-type]
+    if task.train_data is not None and not streamed and len(task.train_data) == 0:  # type: ignore[arg-type]
         raise UsageError("--task", spec, "a non-empty Task.train_data", "check the dataset's path and size")
     if task.eval_data is not None and len(task.eval_data) == 0:  # type: ignore[arg-type]
         raise UsageError("--task", spec, "a non-empty Task.eval_data, or None",

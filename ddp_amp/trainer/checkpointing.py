@@ -30,7 +30,7 @@ from ddp_amp.amp import AgreedGradScaler
 from ddp_amp.checkpoint import LoadedCheckpoint, read_agreed, restore_own_rng, restore_scaler
 from ddp_amp.dist import all_gather_objects, to_device
 from ddp_amp.errors import UsageError
-from ddp_amp.trainer.iterable_stream import IterableStream
+from ddp_amp.trainer.loader_stream import LoaderStream
 from ddp_amp.trainer.stream import BatchStream
 
 MODEL_FILE, TRAIN_FILE, TASK_STATE_FILE, DATA_FILE = "model.pt", "train.pt", "task_state.pt", "data.pt"
@@ -44,7 +44,7 @@ class TrainingParts:
     optimizers: tuple[torch.optim.Optimizer, ...]  # usually one; a task may make several
     scaler: AgreedGradScaler
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
-    stream: BatchStream | IterableStream
+    stream: BatchStream | LoaderStream
     device: torch.device
     task_state: Any = None  # Task.state: state_dict() / load_state_dict(), one per rank
 
@@ -199,7 +199,7 @@ def load_training_state(path: Path, parts: TrainingParts, rank: int, world_size:
             saved = loaded.files.get(name)
             if saved is None or len(saved["ranks"]) != world_size:
                 what = "the task keeps state per rank (Task.state)" if name == TASK_STATE_FILE else \
-                    "an iterable dataset's position is per rank"
+                    "the data position is per rank (an iterable dataset, Task.make_loader)"
                 raise UsageError("--resume", str(path), f"a checkpoint of {world_size} rank(s), as {what}; it was "
                                  f"saved by {len(saved['ranks']) if saved else 'another kind of dataset'}",
                                  "resume with the world size it was saved with, or --resume none")

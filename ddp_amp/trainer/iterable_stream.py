@@ -11,7 +11,7 @@ up. Ranks' shares differ by at most one item, so their epochs may turn over a ba
 the epoch-wise LR cadence is refused for iterable data (it would change ranks' LRs at
 different steps).
 
-Resume: `StatefulDataLoader` saves how many batches each worker has yielded in this pass,
+Resume (loader_stream.py): `StatefulDataLoader` saves how many batches each worker has yielded in this pass,
 and on resume replays the pass up to there: exact for any deterministic stream, at the cost
 of reading that part of the pass again. Each rank's position is its own, so a checkpoint
 holds every rank's and a resume needs the same world size.
@@ -27,8 +27,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ddp_amp.dist import to_device
-from ddp_amp.errors import UsageError
+from ddp_amp.trainer.loader_stream import LoaderStream
 
 
 class RankShard(IterableDataset):
@@ -46,56 +45,19 @@ class RankShard(IterableDataset):
                 yield item
 
 
-class IterableStream:
+def iterable_stream(dataset: IterableDataset, micro_batch_size: int, rank: int, world_size: int,
+                    device: torch.device, num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
+                    worker_init_fn: Callable[[int], None] | None = None) -> LoaderStream:
     """An endless stream of micro-batches for one rank over passes of an iterable dataset."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
 
-    per_rank_position = True  # a checkpoint keeps every rank's position (checkpointing.py)
-    batches_per_epoch = None  # unknown until a pass ends
-
-    def __init__(self, dataset: IterableDataset, micro_batch_size: int, rank: int, world_size: int,
-                 device: torch.device, num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
-                 worker_init_fn: Callable[[int], None] | None = None) -> None:
-        from torchdata.stateful_dataloader import StatefulDataLoader
-
-        # Its warning on each resume asks the dataset for a state_dict; the replay it
-        # announces is the documented behaviour here (RankShard keeps no state of its own).
-        logging.getLogger(StatefulDataLoader.__module__).setLevel(logging.ERROR)
-        self.micro_batch_size, self.device = micro_batch_size, device
-        with warnings.catch_warnings():  # torchdata calls a torch function that warns it is deprecated
-            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-            self.loader = StatefulDataLoader(RankShard(dataset, rank, world_size), batch_size=micro_batch_size,
-                                             drop_last=True, num_workers=num_workers, collate_fn=collate_fn,
-                                             pin_memory=device.type == "cuda", worker_init_fn=worker_init_fn)
-        self.epoch = 0
-        self.batch_in_epoch = 0
-        self._iterator: Iterator[Any] | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where the next micro-batch comes from: the pass, and the loader's own state."""
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": self.loader.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
-        self.loader.load_state_dict(state["loader"])
-        self._iterator = None
-
-    def __iter__(self) -> IterableStream:
-        return self
-
-    def _next_raw(self) -> Any:
-        if self._iterator is None:
-            self._iterator = iter(self.loader)
-        return next(self._iterator)
-
-    def __next__(self) -> Any:
-        try:
-            batch = self._next_raw()
-        except StopIteration:  # this rank's share of the pass is used up: the next pass
-            if self.batch_in_epoch == 0:
-                raise UsageError("Task.train_data", "an iterable dataset", f"at least one batch of "
-                                 f"{self.micro_batch_size} items per rank and pass",
-                                 "check the stream's source, or lower --batch-size") from None
-            self.epoch, self.batch_in_epoch, self._iterator = self.epoch + 1, 0, None
-            batch = self._next_raw()
-        self.batch_in_epoch += 1
-        return to_device(batch, self.device)
+    # Its warning on each resume asks the dataset for a state_dict; the replay it
+    # announces is the documented behaviour here (RankShard keeps no state of its own).
+    logging.getLogger(StatefulDataLoader.__module__).setLevel(logging.ERROR)
+    with warnings.catch_warnings():  # torchdata calls a torch function that warns it is deprecated
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        loader = StatefulDataLoader(RankShard(dataset, rank, world_size), batch_size=micro_batch_size,
+                                    drop_last=True, num_workers=num_workers, collate_fn=collate_fn,
+                                    pin_memory=device.type == "cuda", worker_init_fn=worker_init_fn)
+    # The pass's length is unknown until it ends, and ranks' shares may differ by an item.
+    return LoaderStream(loader, micro_batch_size, device, "Task.train_data", batches_per_epoch=None)

@@ -41,8 +41,10 @@ from ddp_amp.trainer.best import BestKeeper
 from ddp_amp.trainer.evaluation import evaluate
 from ddp_amp.trainer.schedules import SchedulerDriver
 from ddp_amp.trainer.optimizers import make_optimizers
-from ddp_amp.trainer.iterable_stream import IterableStream
+from ddp_amp.trainer.iterable_stream import iterable_stream
+from ddp_amp.trainer.loader_stream import LoaderStream
 from ddp_amp.trainer.stream import BatchStream, collate
+from ddp_amp.trainer.task_loader import task_loader_stream
 
 _NOTHING = nullcontext()  # reusable: nullcontext keeps no state
 # What log_record writes itself: a step_fn's extra scalars may not take these names.
@@ -87,14 +89,16 @@ class Trainer:
         self.preemption = PreemptionWatch(requeue_signals, self.device, config.preempt_check_s, ctx.has_group,
                                           stop_signums=stop_signals)
         signums = self.preemption.signums
-        if isinstance(task.train_data, IterableDataset):  # a stream: sharded by striding, resumed by replay
-            self.stream: BatchStream | IterableStream = IterableStream(
-                task.train_data, config.micro_batch_size(ctx.world_size), ctx.rank, ctx.world_size, self.device,
-                config.num_workers, collate_fn=collate, worker_init_fn=worker_ignores(signums))
+        micro_batch_size = config.micro_batch_size(ctx.world_size)
+        if task.make_loader is not None:  # the task's own loader, sharded by the task
+            self.stream: BatchStream | LoaderStream = task_loader_stream(
+                task, ctx, self.device, micro_batch_size, config.num_workers, config.seed, worker_ignores(signums))
+        elif isinstance(task.train_data, IterableDataset):  # a stream: sharded by striding, resumed by replay
+            self.stream = iterable_stream(task.train_data, micro_batch_size, ctx.rank, ctx.world_size, self.device,
+                                          config.num_workers, collate_fn=collate, worker_init_fn=worker_ignores(signums))
         else:
-            self.stream = BatchStream(task.train_data, config.micro_batch_size(ctx.world_size), ctx.rank,
-                                      ctx.world_size, config.seed, self.device, config.num_workers,
-                                      worker_init_fn=worker_ignores(signums))
+            self.stream = BatchStream(task.train_data, micro_batch_size, ctx.rank, ctx.world_size, config.seed,
+                                      self.device, config.num_workers, worker_init_fn=worker_ignores(signums))
         self.schedule = SchedulerDriver(self.scheduler, self.scaler, task.schedule_on, self.stream) \
             if self.scheduler else None
         self.step = 0  # optimizer steps attempted; skipped fp16 steps count

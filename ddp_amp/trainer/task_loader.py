@@ -1,0 +1,40 @@
+"""A task's own training loader (`Task.make_loader`): built once per rank, checked, and
+streamed pass after pass with an exact resume (loader_stream.py).
+
+The task shards the data itself (a `DistributedSampler(rank=..., num_replicas=...)`, or a
+stream that yields each rank its share). Ranks' passes may differ in length, except where
+the schedule steps per epoch: there every rank must turn over at the same step, so the
+lengths are compared once, here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ddp_amp.dist import DistContext, all_gather_objects
+from ddp_amp.errors import UsageError
+from ddp_amp.tasks import LoaderRequest, Task
+from ddp_amp.trainer.loader_stream import LoaderStream, loader_length
+
+
+def task_loader_stream(task: Task, ctx: DistContext, device: torch.device, micro_batch_size: int,
+                       num_workers: int, seed: int, worker_init_fn: Callable[[int], None]) -> LoaderStream:
+    """This rank's stream over `task.make_loader`'s loader (collective: lengths are gathered)."""
+    assert task.make_loader is not None
+    request = LoaderRequest(rank=ctx.rank, world_size=ctx.world_size, micro_batch_size=micro_batch_size,
+                            num_workers=num_workers, seed=seed, device=device, worker_init_fn=worker_init_fn)
+    loader = task.make_loader(request)
+    if not all(callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict", "__iter__")):
+        raise UsageError("Task.make_loader", f"a {type(loader).__name__}",
+                         "an iterable loader with state_dict() and load_state_dict(), so a resume restores its position",
+                         "build torchdata.stateful_dataloader.StatefulDataLoader(...) where you built a DataLoader")
+    lengths = all_gather_objects(loader_length(loader)) if ctx.world_size > 1 else [loader_length(loader)]
+    same = lengths[0] if lengths[0] is not None and len(set(lengths)) == 1 else None
+    if task.schedule_on == "epoch" and same is None:
+        raise UsageError("Task.schedule_on", "epoch", "loaders of one known length on every rank "
+                         f"(batches per pass: {', '.join(str(n) for n in lengths)})",
+                         "shard with DistributedSampler(drop_last=True) and a DataLoader(drop_last=True), "
+                         "or schedule per step")
+    return LoaderStream(loader, micro_batch_size, device, "Task.make_loader", batches_per_epoch=same)
