@@ -57,10 +57,9 @@ def _to_cpu(args: Any, kwargs: Any) -> bool:
 
 # (task, precision, extra config): every built-in task in every precision with its own
 # optimizer and schedule, then the mlp task through each optimizer, clipping and
-# accumulation under fp16, the case with a scaler, and a per-step LR schedule (cosine).
-# Not here: a per-step schedule under fp16. To keep the LR plan exact on taken steps
-# (and resumes bitwise wherever they stop) it reads the skip flag on every step that
-# changes the LR (trainer/lr_steps.py), which for cosine is every step.
+# accumulation under fp16, the case with a scaler, and a per-step LR schedule (cosine) in
+# bf16 and in fp16, where the LR of each taken step comes from a plan on the device
+# (trainer/lr_steps.py) instead of a read of each step's skip flag.
 TRAINER_CASES = [
     *[(task, precision, {}) for task in ("mlp", "lm", "digits") for precision in ("fp32", "bf16", "fp16")],
     ("mlp", "fp16", {"optimizer": "sgd"}),
@@ -68,6 +67,7 @@ TRAINER_CASES = [
     ("mlp", "fp16", {"grad_accum": 2, "clip_grad_norm": 0.5}),
     ("mlp", "bf16", {"grad_accum": 2, "clip_grad_norm": 1.0}),
     ("tests.plugins.cosine_task:make_task", "bf16", {"clip_grad_norm": 1.0}),
+    ("tests.plugins.cosine_task:make_task", "fp16", {"clip_grad_norm": 1.0}),
     # a task's own step with a logged scalar, and a model that computes its own loss
     ("tests.plugins.own_step_task:make_task", "fp16", {"grad_accum": 2, "task_opt": ("kind=dict_step",)}),
     ("tests.plugins.own_step_task:make_task", "bf16", {"task_opt": ("kind=own_loss",)}),

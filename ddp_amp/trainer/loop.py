@@ -143,6 +143,8 @@ class Trainer:
             step_loss = detached if step_loss is None else step_loss + detached
             if extras:
                 self._add_extras(extras, first=micro == 0, accum=accum)
+        if self.schedule is not None:  # a planned per-step LR goes in place after an exact state
+            self.schedule.before_step()
         amp_step(self.scaler, self.optimizers, clip_grad_norm=self.clip_grad_norm, clip_params=self.params,
                  skip_together=True)
         self.watch.after_update(self.step + 1, step_loss)  # before zero_grad: forensics reads the grads
@@ -177,7 +179,7 @@ class Trainer:
             "step": self.step,
             "epoch": self.stream.epoch,
             "loss": self._mean_across_ranks(loss),
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": self.schedule.before_log() if self.schedule else self.optimizer.param_groups[0]["lr"],
             "loss_scale": self.scaler.get_scale() if self.scaler.is_enabled() else 1.0,
             "skipped_total": int(self.scaler.skipped_steps().item()),
             "samples_per_s": samples_per_s,

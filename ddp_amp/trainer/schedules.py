@@ -37,6 +37,18 @@ class SchedulerDriver:
         self.per_step = TakenStepScheduler(scheduler, scaler) if self.kind == "step" else None
         self._epochs_stepped = _completed_epochs(stream)
 
+    def before_step(self) -> None:
+        """Before each optimizer step."""
+        if self.per_step is not None:
+            self.per_step.before_step()
+
+    def before_log(self) -> float:
+        """On a log step: the LR to log (the first group's), settling a per-step plan there."""
+        if self.per_step is None:
+            return float(self.scheduler.optimizer.param_groups[0]["lr"])
+        self.per_step.before_log()
+        return self.per_step.logged_lr()
+
     def after_step(self) -> None:
         """After each optimizer step (and its scaler update)."""
         if self.per_step is not None:
