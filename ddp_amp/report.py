@@ -79,7 +79,8 @@ def _scale_at(series: RunSeries, step: int) -> float | None:
 
 
 def write_plots(runs: list[RunSeries], out_dir: Path) -> list[Path]:
-    """Write the four PNGs into `out_dir`; returns their paths."""
+    """Write the PNGs into `out_dir` (four always, the throughput ones where some run logged
+    them); returns their paths."""
     try:
         import matplotlib
     except ImportError:
@@ -92,6 +93,10 @@ def write_plots(runs: list[RunSeries], out_dir: Path) -> list[Path]:
     charts = [("loss.png", "loss", "loss", False), ("loss_scale.png", "loss_scale", "loss scale", True),
               ("throughput.png", "samples_per_s", "samples/s", False),
               ("memory.png", "peak_mem_mb", "peak memory (MB)", False)]
+    # Logged only where known: tokens for a task that has them, MFU on a GPU with a known peak.
+    optional = [("tokens.png", "tokens_per_s", "tokens/s", False), ("flops.png", "tflops", "model TFLOP/s per rank", False),
+                ("mfu.png", "mfu", "MFU", False)]
+    charts += [chart for chart in optional if any(run.column(chart[1])[0] for run in runs)]
     written = []
     for name, key, ylabel, log_axis in charts:
         fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)

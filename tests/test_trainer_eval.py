@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from ddp_amp.config import TrainConfig, parse_config
 from ddp_amp.dist import DistContext, init_distributed
@@ -61,6 +62,16 @@ def test_default_run_trains_lm_and_its_held_out_perplexity_falls(tmp_path: Path)
     assert summary["eval_ppl"] == evals[-1]["eval_ppl"]  # the summary reuses the step-20 metric
     assert evals[-1]["eval_ppl"] < evals[0]["eval_ppl"] / 2, evals
     assert "task=lm" in result.stdout
+    # Throughput: tokens are the task's bptt (35) per sample; the model FLOPs counted on the
+    # first step are near the 6 x parameters x tokens rule (the embedding lookup does none,
+    # attention adds a little); a CPU has no known peak, so no MFU.
+    logged = [r for r in records if "loss" in r]
+    assert all(r["tokens_per_s"] == pytest.approx(35 * r["samples_per_s"]) for r in logged)
+    assert all(r["tflops"] > 0 and r["mem_mb"] > 0 and "mfu" not in r for r in logged)
+    weights = torch.load(tmp_path / "checkpoints" / "step-00000020" / "model.pt", weights_only=True)
+    params = sum(t.numel() for name, t in weights.items() if "embed" not in name and t.is_floating_point())
+    rule = 6 * params * 64 * 35
+    assert 0.8 < summary["flops_per_step"] / rule < 1.3, (summary["flops_per_step"], rule, sorted(weights))
 
 
 def test_eval_every_is_validated() -> None:

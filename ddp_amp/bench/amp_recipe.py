@@ -20,7 +20,7 @@ from ddp_amp.dist import DistContext
 from ddp_amp.metrics import peak_memory_mb
 from ddp_amp.errors import UsageError
 from ddp_amp.amp import resolve_precision
-from ddp_amp.bench.peaks import dense_peak_tflops
+from ddp_amp.metrics.peaks import dense_peak_tflops
 
 TRIALS = ("fp32", "fp16", "bf16")
 WARMUP_STEPS = 3

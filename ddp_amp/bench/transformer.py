@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ddp_amp.amp import Precision, resolve_precision
 from ddp_amp.bench.gpt import CPU_SHAPE, GPTShape, next_token_loss, seeded_gpt, token_batches
 from ddp_amp.bench.overhead import trainer_on_batches
-from ddp_amp.bench.peaks import dense_peak_tflops
+from ddp_amp.metrics.peaks import dense_peak_tflops
 from ddp_amp.bench.recipe import HandLoop
 from ddp_amp.bench.stats import interleave, median_ms, paired_ratio
 from ddp_amp.dist import DistContext

@@ -2,13 +2,18 @@
 
 - `run_log`: `RunLog` (rank 0: console, config.json, metrics.jsonl, summary) and
   `QuietRunLog` (other ranks: warnings only), so no caller writes `if rank == 0`;
-- `progress`: the terminal progress bar.
+- `progress`: the terminal progress bar;
+- `throughput`: model FLOPs counted once, tokens/s, MFU against `peaks` (dense peaks of
+  known GPUs), memory in use: the throughput fields of each log line.
 
 Imports `dist`, `durable` and `errors` from ddp_amp, nothing above; its writes to the run
 directory go through `dist.on_rank_zero`. Plots of a finished run are
 the `ddp_amp.report` entry point.
 """
 
+from ddp_amp.metrics.peaks import dense_peak_tflops
 from ddp_amp.metrics.run_log import QuietRunLog, RunLog, make_run_log, peak_memory_mb
+from ddp_amp.metrics.throughput import counting_flops, throughput_fields
 
-__all__ = ["QuietRunLog", "RunLog", "make_run_log", "peak_memory_mb"]
+__all__ = ["QuietRunLog", "RunLog", "counting_flops", "dense_peak_tflops", "make_run_log", "peak_memory_mb",
+           "throughput_fields"]

@@ -98,6 +98,9 @@ class Task:
     # load_state_dict() for an exact resume (torchdata's StatefulDataLoader). One pass over
     # it is an epoch. trainer/task_loader.py.
     make_loader: LoaderFactory | None = None
+    # Tokens in one training item (a language model's sequence length): the log's
+    # tokens_per_s is samples/s times this; 0 = the task has no tokens.
+    tokens_per_sample: int = 0
 
 
 def parse_task_options(options: Mapping[str, str], defaults: Mapping[str, int | float]) -> dict[str, int | float]:
@@ -185,6 +188,10 @@ def _check_task(spec: str, task: object) -> Task:
     if (task.eval_data is None) != (task.metric is None and task.eval_fn is None):
         raise UsageError("--task", spec, "Task.eval_data and Task.metric (or eval_fn) given together (or neither)",
                          "a metric needs held-out data to run on")
+    if isinstance(task.tokens_per_sample, bool) or not isinstance(task.tokens_per_sample, int) \
+            or task.tokens_per_sample < 0:
+        raise UsageError("--task", spec, f"Task.tokens_per_sample to be an integer >= 0, got {task.tokens_per_sample!r}",
+                         "e.g. tokens_per_sample=1024 for sequences of 1024 tokens; 0 for no tokens")
     for name in ("default_lr", "default_clip_grad_norm"):
         value = getattr(task, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:

@@ -191,5 +191,6 @@ def make_task(config: TrainConfig) -> Task:
         make_scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, steps_per_epoch, gamma=0.95),
         default_lr=5.0,
         default_clip_grad_norm=0.5,
+        tokens_per_sample=bptt,
         name="lm",
     )

@@ -32,7 +32,7 @@ from ddp_amp.config import TrainConfig
 from ddp_amp.dist import DistContext, all_reduce_, comm_hook, mark_agreed
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import PreemptionWatch, RunWatch, stop_for_preemption, worker_ignores
-from ddp_amp.metrics import RunLog, peak_memory_mb
+from ddp_amp.metrics import RunLog, counting_flops, peak_memory_mb, throughput_fields
 from ddp_amp.tasks import Task
 from ddp_amp.trainer.checkpointing import (MODEL_FILE, TrainingParts, load_training_state, run_meta,
                                           scale_learning_rates, training_files)
@@ -49,7 +49,7 @@ from ddp_amp.trainer.task_loader import task_loader_stream
 _NOTHING = nullcontext()  # reusable: nullcontext keeps no state
 # What log_record writes itself: a step_fn's extra scalars may not take these names.
 _RECORD_FIELDS = frozenset({"step", "epoch", "loss", "lr", "loss_scale", "skipped_total", "samples_per_s",
-                            "step_time", "peak_mem_mb"})
+                            "step_time", "peak_mem_mb", "tokens_per_s", "tflops", "mfu", "mem_mb"})
 
 
 class Trainer:
@@ -102,6 +102,7 @@ class Trainer:
         self.schedule = SchedulerDriver(self.scheduler, self.scaler, task.schedule_on, self.stream) \
             if self.scheduler else None
         self.step = 0  # optimizer steps attempted; skipped fp16 steps count
+        self.flops_per_step: int | None = None  # this rank's model FLOPs per step, once counted
         self.samples_seen = 0
         self.last_loss = torch.zeros((), device=self.device)
         # None = checkpointing off (library use without a run dir).
@@ -185,6 +186,8 @@ class Trainer:
             "samples_per_s": samples_per_s,
             "step_time": step_time,
             "peak_mem_mb": peak_memory_mb(self.device),
+            **throughput_fields(self.flops_per_step, step_time, samples_per_s, self.task.tokens_per_sample,
+                                self.device, self.precision.name),
             # A step_fn's own scalars, averaged over ranks (the same names on every rank).
             **{name: self._mean_across_ranks(value) for name, value in sorted(self.extras.items())},
         }
@@ -243,7 +246,10 @@ class Trainer:
         last_eval = self.eval_record() if every and self.step == 0 else {}
         self.run_log.start_progress(self.config.max_steps, self.step)
         while self.step < self.config.max_steps:
-            loss = self.train_step()
+            if self.flops_per_step is None:  # the first step here: count its model FLOPs once
+                loss, self.flops_per_step = counting_flops(self.train_step)
+            else:
+                loss = self.train_step()
             self.run_log.advance()
             if every and self.step % every == 0:
                 eval_started = time.perf_counter()
@@ -278,6 +284,7 @@ class Trainer:
             "precision": self.precision.name,
             "device": str(self.device),
             "wall_s": elapsed,
+            "flops_per_step": self.flops_per_step,  # this rank's model FLOPs, counted on the first step
             **{key: value for key, value in last_eval.items() if key != "step"},
         })
         if self.best is not None and self.best.best is not None:

@@ -1,0 +1,54 @@
+"""Model FLOPs, tokens and device memory for each log line.
+
+The FLOPs of one training step are counted once, on the first step this process runs, by
+running that step under torch's `FlopCounterMode` (matmuls, convolutions and attention,
+forward and backward; the optimizer's elementwise work is not counted, as MFU conventionally
+leaves it out). The count is per rank: each rank runs its own micro-batches. Achieved
+TFLOP/s is that count over the measured step time; MFU divides it by the device's dense
+peak for the run's precision (`peaks.py`), only where the peak is known: on a CPU or an
+unlisted GPU there is no MFU rather than a guessed one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import psutil
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ddp_amp.metrics.peaks import dense_peak_tflops
+
+T = TypeVar("T")
+
+
+def counting_flops(run: Callable[[], T]) -> tuple[T, int]:
+    """`run()`'s result and the model FLOPs it performed on this process."""
+    counter = FlopCounterMode(display=False)
+    with counter:
+        result = run()
+    return result, int(counter.get_total_flops())
+
+
+def memory_mb(device: torch.device) -> float:
+    """Memory in use now: CUDA tensors on a GPU, else this process's resident set."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def throughput_fields(flops_per_step: int | None, step_time: float, samples_per_s: float,
+                      tokens_per_sample: int, device: torch.device, precision: str) -> dict[str, Any]:
+    """The log's throughput and memory fields for a window of steps (absent where unknown)."""
+    fields: dict[str, Any] = {}
+    if tokens_per_sample:
+        fields["tokens_per_s"] = samples_per_s * tokens_per_sample
+    if flops_per_step and step_time > 0:
+        achieved = flops_per_step / step_time / 1e12
+        fields["tflops"] = achieved
+        peak = dense_peak_tflops(device, precision)
+        if peak:
+            fields["mfu"] = achieved / peak
+    fields["mem_mb"] = memory_mb(device)
+    return fields
