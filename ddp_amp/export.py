@@ -1,0 +1,324 @@
+"""Export a checkpoint's model weights to safetensors: `python -m ddp_amp.export SOURCE --to FILE`.
+
+    python -m ddp_amp.export runs/x --to model.safetensors           # newest complete checkpoint
+    python -m ddp_amp.export runs/x --best --to best.safetensors     # the --keep-best one
+    python -m ddp_amp.export runs/x/checkpoints/step-00000400 --to model.safetensors
+
+SOURCE is a run directory (the checkpoint `--resume auto` would pick: the newest whose
+manifest verifies), its `checkpoints/` folder, or one `step-N` directory (verified here).
+What is written is the checkpoint's `model.pt`, the user's module's state dict, so
+
+    model.load_state_dict(safetensors.torch.load_file("model.safetensors"), strict=True)
+
+fills a plain `nn.Module` of the task. Tensors that share storage (tied weights) are written
+once per name, so every name the module expects is in the file; non-tensor entries
+(`_extra_state`) cannot be stored in safetensors and are left out, with a note. The
+metadata holds the step, the run's precision, the task and the ddp_amp version. The file
+appears whole or not at all (temporary file, fsync, rename); an existing one is replaced
+only with `--force`. Needs safetensors: `pip install 'ddp_amp[export]'`.
+Exit codes: 0 done, 2 bad input, a refused checkpoint or safetensors missing (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ddp_amp.checkpoint import (IncompleteCheckpoint, checkpoint_root, complete_copy, list_step_dirs,
+                                read_best, read_checkpoint, resolve_resume, verify_checkpoint)
+from ddp_amp.durable import write_atomic
+from ddp_amp.errors import UsageError
+from ddp_amp.trainer.checkpointing import MODEL_FILE
+from ddp_amp.version import __version__
+
+SOURCE = "RUN_DIR_OR_CHECKPOINT"
+INSTALL_HINT = "pip install 'ddp_amp[export]'"
+# What the wrappers add in front of every name when a wrapped model's state_dict is saved:
+# DDP and AutocastModule hold the model as `.module`, torch.compile as `._orig_mod`.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+RUN_CONFIG = "config.json"  # every run directory gets one at its start
+
+
+# -- which checkpoint ------------------------------------------------------------------
+
+
+def _refused(path: Path, reason: IncompleteCheckpoint | str) -> UsageError:
+    return UsageError(SOURCE, str(path), "a committed checkpoint whose files match its manifest.json",
+                      f"{reason}; export another step-N, or the run directory to take its newest "
+                      "complete checkpoint")
+
+
+def _verified(path: Path) -> Path:
+    """`path` once its manifest checks out (sizes and sha256), else a UsageError naming why."""
+    try:
+        verify_checkpoint(path)
+    except IncompleteCheckpoint as reason:
+        raise _refused(path, reason) from None
+    return path
+
+
+def _checkpoints_folder(source: Path) -> Path | None:
+    """The folder of `step-N` directories that `source` stands for, if it is a run or that folder."""
+    if checkpoint_root(source).is_dir():
+        return checkpoint_root(source)
+    if list_step_dirs(source):
+        return source
+    return None
+
+
+def _best_checkpoint(root: Path, warn: Callable[[str], None]) -> Path:
+    """The checkpoint `--keep-best` recorded under `root`, verified."""
+    record = read_best(root)
+    if record is None:
+        raise UsageError("--best", str(root), "a run trained with --keep-best (checkpoints/best.json)",
+                         "drop --best to export the newest checkpoint")
+    found = complete_copy(record.directory(root), warn)  # a crash mid-re-save may have set it aside
+    if found is None:
+        raise UsageError("--best", str(record.directory(root)),
+                         f"the best checkpoint ({record.metric}={record.value:g} at step {record.step}), "
+                         "complete", "it is missing or failed its manifest check (see the warning); "
+                         "export the run without --best, or another step-N")
+    return found
+
+
+def locate_checkpoint(source: Path, best: bool, warn: Callable[[str], None]) -> Path:
+    """The verified checkpoint directory that `source` (and `--best`) names; UsageError if none."""
+    if not source.exists():
+        raise UsageError(SOURCE, str(source), "an existing run directory or checkpoint directory",
+                         "pass a training run's --run-dir, or one of its checkpoints/step-N")
+    if source.is_file():
+        raise UsageError(SOURCE, str(source), "a directory, not a file",
+                         "pass the step-N directory that holds it, or the run directory")
+    root = _checkpoints_folder(source)
+    if root is None and (source / RUN_CONFIG).is_file():
+        raise UsageError(SOURCE, str(source), "a run with a complete checkpoint",
+                         "this run has no checkpoints/ yet: it stopped before its first save")
+    if root is None:  # not a run: it must be one checkpoint
+        if best:
+            raise UsageError("--best", str(source), "a run directory (its checkpoints/best.json names "
+                             "the best checkpoint)", "drop --best to export this checkpoint")
+        return _verified(source)
+    if best:
+        return _best_checkpoint(root, warn)
+    chosen = resolve_resume("auto", root, warn)  # the very choice a resume makes
+    if chosen is None:
+        raise UsageError(SOURCE, str(source), "a run with a complete checkpoint",
+                         f"no step-N under {root} passed its manifest check (see the warnings)")
+    return chosen
+
+
+# -- what goes into the file -----------------------------------------------------------
+
+
+@dataclass
+class ExportedTensors:
+    """The state dict made storable by safetensors, and what had to change on the way."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    stripped_prefix: str = ""
+    shared: dict[str, str] = field(default_factory=dict)  # name -> earlier name with the same storage
+    skipped: list[str] = field(default_factory=list)  # non-tensor entries (e.g. `_extra_state`)
+
+
+def wrapper_prefix(names: list[str]) -> str:
+    """The run of wrapper prefixes that every name starts with ("" where there is none).
+
+    The Trainer saves unwrapped names, so this is "" for its checkpoints; a state dict
+    taken from a wrapped model (`module.module.` under DDP + autocast) still loads.
+    """
+    prefix = ""
+    while names:
+        step = next((p for p in WRAPPER_PREFIXES if all(n.startswith(prefix + p) for n in names)), None)
+        if step is None:
+            return prefix
+        prefix += step
+    return prefix
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """Identifies the memory behind `tensor`; None for empty storage (nothing to share)."""
+    storage = tensor.untyped_storage()
+    return storage.data_ptr() if storage.nbytes() and storage.data_ptr() else None
+
+
+def storable_tensors(state: Mapping[str, Any]) -> ExportedTensors:
+    """Tensors safetensors accepts: contiguous, no two sharing storage, names unwrapped.
+
+    A tensor whose storage an earlier name already uses (tied weights) is written as its
+    own copy: safetensors refuses aliases, and `load_state_dict(strict=True)` needs every
+    name. Loading copies the same values into both names, which in a model that ties them
+    are one Parameter, so the tie holds. Non-tensor entries are left out: safetensors
+    stores tensors only.
+    """
+    result = ExportedTensors(stripped_prefix=wrapper_prefix(list(state)))
+    owners: dict[int, str] = {}
+    for saved_name, value in state.items():
+        name = saved_name[len(result.stripped_prefix):]
+        if not isinstance(value, torch.Tensor):
+            result.skipped.append(name)
+            continue
+        tensor = value.detach()
+        key = _storage_key(tensor)
+        if key is not None and key in owners:
+            result.shared[name] = owners[key]
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        elif key is not None:
+            owners[key] = name
+        result.tensors[name] = tensor.contiguous()
+    return result
+
+
+def export_metadata(meta: Mapping[str, Any], step: int, exported: ExportedTensors) -> dict[str, str]:
+    """safetensors metadata (string -> string): where the weights came from."""
+    config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    metadata = {
+        "format": "pt",  # what Hugging Face loaders look for in a PyTorch safetensors file
+        "step": str(step),
+        "precision": str(meta.get("precision", "unknown")),
+        "task": str(config.get("task", "unknown")),
+        "ddp_amp_version": __version__,
+        "checkpoint_ddp_amp_version": str(meta.get("ddp_amp_version", "unknown")),
+    }
+    if exported.shared:
+        metadata["shared_tensors"] = json.dumps(exported.shared, sort_keys=True)
+    if exported.skipped:
+        metadata["skipped_entries"] = json.dumps(exported.skipped)
+    return metadata
+
+
+def read_model_state(path: Path) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """(the model's state dict, meta.json, step) of verified checkpoint `path`."""
+    if not (path / MODEL_FILE).is_file():
+        raise UsageError(SOURCE, str(path), f"a checkpoint of `python -m ddp_amp.train` (it holds {MODEL_FILE})",
+                         "a Session.save checkpoint holds your own state: load it with Session.load and "
+                         "save the model's state_dict() yourself")
+    try:
+        loaded = read_checkpoint(path, [MODEL_FILE], what=SOURCE)
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
+        raise UsageError(SOURCE, str(path), "a readable ddp_amp checkpoint",
+                         f"{type(error).__name__}: {error}"[:300]) from None
+    state = loaded.files[MODEL_FILE]
+    if not isinstance(state, Mapping) or not all(isinstance(name, str) for name in state):
+        raise UsageError(SOURCE, str(path / MODEL_FILE), "a state dict (names -> tensors)",
+                         f"it holds a {type(state).__name__}; was it written by ddp_amp?")
+    return dict(state), loaded.meta, _step_of(path, loaded.meta)
+
+
+def _step_of(path: Path, meta: Mapping[str, Any]) -> int:
+    """The optimizer step the checkpoint was taken at: meta.json's, else the manifest's."""
+    step = meta.get("step")
+    if step is None:
+        step = verify_checkpoint(path, check_hashes=False).get("step", 0)  # sizes only: hashed already
+    try:
+        return int(step)
+    except (TypeError, ValueError):
+        raise UsageError(SOURCE, str(path), "a checkpoint whose meta.json holds an integer step",
+                         f"it holds {step!r}; was it written by ddp_amp?") from None
+
+
+# -- writing ---------------------------------------------------------------------------
+
+
+def require_safetensors() -> ModuleType:
+    """`safetensors.torch`, or a one-line UsageError saying how to install it."""
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise UsageError("package", "safetensors", "installed, to write .safetensors files",
+                         INSTALL_HINT) from None
+    return safetensors.torch
+
+
+def check_output(path: Path, force: bool) -> None:
+    """Refuse a directory, and an existing file unless `force`: nothing of the user's is lost."""
+    if path.is_dir():
+        raise UsageError("--to", str(path), "a file path, not a directory",
+                         f"name the file, e.g. --to {path / 'model.safetensors'}")
+    if path.exists() and not force:
+        raise UsageError("--to", str(path), "a path with no file yet",
+                         "pass --force to replace it, or choose another --to")
+
+
+def write_safetensors(path: Path, exported: ExportedTensors, metadata: dict[str, str],
+                      backend: ModuleType) -> int:
+    """Serialize, then replace `path` atomically (temporary file, fsync, rename); returns bytes written."""
+    try:
+        data = backend.save(exported.tensors, metadata=metadata)
+    except (ValueError, TypeError, RuntimeError) as error:  # e.g. a dtype it has no code for
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise UsageError("--to", str(path), "tensors safetensors can store", f"{reason}; nothing was "
+                         "written") from None
+    try:
+        write_atomic(path, data)
+    except OSError as error:
+        raise UsageError("--to", str(path), "a writable location", f"{error.strerror or error}; "
+                         "nothing was written") from None
+    return len(data)
+
+
+# -- the command -----------------------------------------------------------------------
+
+
+def _note(message: str) -> None:
+    print(f"ddp_amp: {message}", file=sys.stderr, flush=True)
+
+
+def _size(count: int) -> str:
+    return f"{count / 2**20:.1f} MiB" if count >= 2**20 else f"{count / 2**10:.1f} KiB"
+
+
+def _describe_changes(exported: ExportedTensors) -> None:
+    if exported.stripped_prefix:
+        _note(f"note: removed the wrapper prefix {exported.stripped_prefix!r} from every name")
+    if exported.shared:
+        pairs = ", ".join(f"{name} = {owner}" for name, owner in exported.shared.items())
+        _note(f"note: tensors sharing storage written as separate copies ({pairs}); "
+              "loading fills each name with the same values")
+    if exported.skipped:
+        _note(f"note: left out {len(exported.skipped)} non-tensor entr{'y' if len(exported.skipped) == 1 else 'ies'} "
+              f"({', '.join(exported.skipped)}): safetensors stores tensors only; a module that "
+              "defines get_extra_state needs strict=False or that state from elsewhere")
+
+
+def export(source: Path, output: Path, *, best: bool = False, force: bool = False) -> Path:
+    """Write the weights of the checkpoint `source` names to `output`; returns that checkpoint."""
+    backend = require_safetensors()  # before reading gigabytes only to fail
+    check_output(output, force)
+    checkpoint = locate_checkpoint(source, best, lambda message: _note(f"warning: {message}"))
+    state, meta, step = read_model_state(checkpoint)
+    exported = storable_tensors(state)
+    _describe_changes(exported)
+    size = write_safetensors(output, exported, export_metadata(meta, step, exported), backend)
+    print(f"ddp_amp: exported step {step} of {checkpoint} ({len(exported.tensors)} tensors, "
+          f"{_size(size)}) to {output}", flush=True)
+    return checkpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ddp_amp.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", metavar=SOURCE, type=Path,
+                        help="a run directory (its newest complete checkpoint) or one checkpoints/step-N")
+    parser.add_argument("--to", required=True, type=Path, metavar="FILE",
+                        help="the .safetensors file to write")
+    parser.add_argument("--best", action="store_true",
+                        help="export the checkpoint --keep-best kept (checkpoints/best.json) instead")
+    parser.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    args = parser.parse_args(argv)
+    try:
+        export(args.source, args.to, best=args.best, force=args.force)
+    except UsageError as error:
+        print(f"ddp_amp: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
