@@ -3,6 +3,9 @@
 Each field's `help` metadata is its docstring; `choices` metadata limits its values.
 `parse_config(argv)` builds the argparse parser from the fields, so an option cannot
 exist without help text, and turns every parse failure into a one-line `UsageError`.
+`--config PATH` reads the same options from a TOML file (`ddp_amp.config_file`), whose
+keys are the field names; flags override it. `config_toml` writes a config back as such a
+file (what `--print-config` prints).
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from ddp_amp.amp import PRECISION_CHOICES, LossScaleOptions
+from ddp_amp.config_file import dumps, read_options
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import WatchOptions, parse_signals
+from ddp_amp.metrics.trackers import BUILT_IN as TRACKERS
 
 
 # What a resume does when a field differs from the value the checkpoint was saved with:
@@ -78,6 +83,9 @@ class TrainConfig:
                                "job fails instead of hanging")
     num_workers: int = _opt(0, "DataLoader worker processes per rank")
     log_every: int = _opt(20, "print and record metrics every N optimizer steps")
+    tracker: str = _opt("", "experiment trackers that also get every record, comma-separated: tensorboard, "
+                        "wandb (offline unless WANDB_MODE says otherwise), mlflow, or package.module:function "
+                        "returning your own; rank 0 only; a resume continues their runs", resume="free")
     debug: bool = _opt(False, "show full tracebacks on errors", resume="free")
     # --- checkpoints (ddp_amp/checkpoint/) ---
     ckpt_every: int = _opt(0, "also save a checkpoint every N optimizer steps; 0 = only the "
@@ -157,6 +165,11 @@ class TrainConfig:
         if self.keep_best and not KEEP_BEST.match(self.keep_best):
             raise UsageError("--keep-best", self.keep_best, "METRIC or METRIC:min or METRIC:max",
                              "e.g. --keep-best eval_nll, or --keep-best eval_accuracy:max")
+        for spec in self.tracker_specs():
+            if spec not in TRACKERS and ":" not in spec:
+                near = difflib.get_close_matches(spec, TRACKERS, n=1)
+                raise UsageError("--tracker", spec, f"one of {', '.join(TRACKERS)} or 'package.module:function'",
+                                 f"did you mean {near[0]}?" if near else "e.g. --tracker tensorboard,wandb")
         if self.archive_checkpoints and self.resume != "none":
             raise UsageError("--archive-checkpoints", True, "--resume none with it",
                              "it moves old checkpoints aside for a fresh run: add --resume none")
@@ -165,6 +178,10 @@ class TrainConfig:
             if name not in must_match:
                 raise UsageError("--allow-change", name, "names of settings that must match on resume: "
                                  + ", ".join(must_match), "other settings may change without it")
+
+    def tracker_specs(self) -> list[str]:
+        """`--tracker` as a list of names (empty: none)."""
+        return [spec.strip() for spec in self.tracker.split(",") if spec.strip()]
 
     def allowed_changes(self) -> tuple[str, ...]:
         """`--allow-change` as field names (`--task-opt` and `task-opt` mean `task_opt`)."""
@@ -265,9 +282,14 @@ class _Parser(argparse.ArgumentParser):
     last_argv: list[str] = []
 
 
+CONFIG_FILE_HELP = ("Options can also come from a TOML file: --config PATH, whose keys are the "
+                    "option names below without -- (max_steps or max-steps); flags given here "
+                    "override the file. --print-config prints the resolved options as TOML and exits.")
+
+
 def build_parser(prog: str = "python -m ddp_amp.train") -> argparse.ArgumentParser:
     parser = _Parser(prog=prog, description="Train with DDP + automatic mixed precision. "
-                     "Launch with python, torchrun or srun; the launcher is detected.",
+                     "Launch with python, torchrun or srun; the launcher is detected. " + CONFIG_FILE_HELP,
                      epilog=RESUME_HELP, allow_abbrev=False)
     for f in dataclasses.fields(TrainConfig):
         flag, help_text = flag_of(f.name), f.metadata["help"]
@@ -284,12 +306,67 @@ def build_parser(prog: str = "python -m ddp_amp.train") -> argparse.ArgumentPars
     return parser
 
 
+@dataclass(frozen=True)
+class CommandLine:
+    """What a command line asks for: the run's config, and the two launch options that are
+    not part of it. They stay out of TrainConfig (and so out of config.json and the resume
+    comparison): the same values from flags or from a file are the same run."""
+
+    config: TrainConfig
+    config_file: str | None = None
+    print_config: bool = False
+
+
 def parse_config(argv: list[str]) -> TrainConfig:
-    """Parse command-line options into a TrainConfig (raises UsageError on bad input)."""
-    parser = build_parser()
+    """Parse command-line options (and a `--config` file) into a TrainConfig.
+
+    Raises UsageError on bad input. `--print-config` is accepted and left to the caller
+    (see `parse_command_line`).
+    """
+    return parse_command_line(argv).config
+
+
+def parse_command_line(argv: list[str]) -> CommandLine:
+    """Resolve the options: field defaults, then the `--config` file's values, then flags.
+
+    The three layers are merged as values, a later layer replacing an option whole, and
+    the result goes through the one check path a flag-only launch uses (`_checked_config`:
+    choices, then TrainConfig's own checks), so a value is refused alike from a file or a
+    flag. Merging values, rather than turning the file into flags before the command line's
+    or into parser defaults, is what keeps "flags override" true for `--task-opt`: its
+    append action would add the flags' items to the file's list instead of replacing it.
+    A file value is type-checked by `read_options`; its TOML type stands in for argparse's
+    conversion of a flag's text.
+    """
     _Parser.last_argv = list(argv)
-    namespace = parser.parse_args(argv)
-    values = vars(namespace)
+    launch, flags = _launch_parser().parse_known_args(argv)
+    from_file = read_options(launch.config, option_kinds()) if launch.config is not None else {}
+    given = _given_flags(flags)
+    try:
+        config = _checked_config({**field_defaults(), **from_file, **given})
+    except UsageError as error:
+        raise _blame_file(error, launch.config, from_file.keys() - given.keys()) from error
+    return CommandLine(config, launch.config, launch.print_config)
+
+
+def _launch_parser() -> argparse.ArgumentParser:
+    # Separate from build_parser, whose options are exactly TrainConfig's fields.
+    parser = _Parser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--print-config", action="store_true")
+    return parser
+
+
+def _given_flags(flags: list[str]) -> dict[str, Any]:
+    """Only the options these flags set: every default is suppressed, so an option the
+    command line leaves out does not hide the file's value with the field's default."""
+    parser = build_parser()
+    for action in parser._actions:  # not set_defaults: it would put SUPPRESS in the namespace
+        action.default = argparse.SUPPRESS
+    return vars(parser.parse_args(flags))
+
+
+def _checked_config(values: dict[str, Any]) -> TrainConfig:
     for f in dataclasses.fields(TrainConfig):
         choices = f.metadata.get("choices")
         if choices and values[f.name] not in choices:
@@ -297,3 +374,39 @@ def parse_config(argv: list[str]) -> TrainConfig:
                              f"see {flag_of(f.name)} in --help")
     values["task_opt"] = tuple(values["task_opt"])
     return TrainConfig(**values)
+
+
+def _blame_file(error: UsageError, path: str | None, file_only: set[str]) -> UsageError:
+    """`error` naming the file's key instead of the flag, where the bad value came from the
+    file (a user who never typed `--precision` should be told where it was set)."""
+    name = error.what.removeprefix("--").replace("-", "_")
+    if not error.what.startswith("--") or name not in file_only:
+        return error
+    return UsageError(f"{path}: {name}", error.value, error.expected, error.hint)
+
+
+def field_defaults() -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+
+# A field's annotation (a string, under `from __future__ import annotations`) -> the value
+# kind its config-file key takes.
+_FILE_KINDS: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str, "tuple[str, ...]": tuple}
+
+
+def option_kinds() -> dict[str, type]:
+    """Every option a config file may set, by field name, with its value kind."""
+    return {f.name: _FILE_KINDS[str(f.type)] for f in dataclasses.fields(TrainConfig)}
+
+
+def config_toml(config: TrainConfig) -> str:
+    """`config` as a TOML file that `--config` resolves to an equal TrainConfig.
+
+    Every field is written, the launch-only ones (run_dir, run_name, resume, debug, ...)
+    too: a field left out would resolve to its default, so the file would not reproduce
+    this config. Reusing the file for another run means editing those, or overriding them
+    with flags.
+    """
+    header = ["ddp_amp run configuration: python -m ddp_amp.train --config THIS_FILE",
+              "keys are the options of --help without -- (max_steps is --max-steps); flags override them"]
+    return dumps(config.to_dict(), header)

@@ -4,6 +4,8 @@
     torchrun --standalone --nproc_per_node=4 -m ddp_amp.train --precision bf16
     srun --ntasks-per-node=4 python -m ddp_amp.train          # inside an allocation
     python -m ddp_amp.train --help                            # every option
+    python -m ddp_amp.train --config run.toml --lr 1e-3       # options from a file; flags win
+    python -m ddp_amp.train --config run.toml --print-config  # the resolved options, as TOML
 
 Exit codes: 0 done; 1 a failure (a rank's error, a safety stop); 2 bad input (one line on
 stderr; --debug adds the traceback); 3 a checkpoint could not be written (older ones are
@@ -20,7 +22,7 @@ from typing import Any
 
 from ddp_amp.amp import Precision, resolve_precision
 from ddp_amp.checkpoint import checkpoint_root, ensure_writable
-from ddp_amp.config import TrainConfig, parse_config
+from ddp_amp.config import TrainConfig, config_toml, parse_command_line
 from ddp_amp.dist import (DistContext, PeerFailureWatch, agreed_origin, init_distributed, on_every_rank,
                           publish_failure, published_failure, shutdown_distributed)
 from ddp_amp.env import detect_env
@@ -78,6 +80,10 @@ def _train_in(run_dir: Path, plan: ResumePlan, config: TrainConfig, ctx: DistCon
         # requeued run neither duplicates nor misses steps. A fresh start drops them all
         # (its step-0 records, such as the first evaluation, are written again).
         run_log.rewind_to(trainer.step if plan.checkpoint is not None else -1)
+        # The trackers continue their runs from here on a resume (tensorboard drops what a lost
+        # attempt logged past this step, as rewind_to did); one that fails to start stops the run.
+        run_log.start_trackers(config.tracker_specs(), config.to_dict(),
+                               trainer.step if plan.checkpoint is not None else 0)
         if plan.checkpoint is not None:
             trainer.watch.after_resume(trainer.step)  # ranks must agree right after a load
         summary = trainer.fit()
@@ -95,7 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         env = detect_env(os.environ)
         rank = env.rank
-        config = parse_config(argv)
+        command = parse_command_line(argv)
+        if command.print_config:  # before any process group or file: it only shows the config
+            if rank == 0:
+                print(config_toml(command.config), end="")
+            return 0
+        config = command.config
+        debug = debug or config.debug  # `debug = true` in a --config file
         ctx = init_distributed(env, config.device, config.backend, config.dist_timeout)  # type: ignore[arg-type]
     except UsageError as error:
         if debug:
