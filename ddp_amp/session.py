@@ -43,6 +43,7 @@ from ddp_amp.dist import (BackendChoice, DeviceChoice, DistContext, PeerFailureW
 from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import check_rank_sync
+from ddp_amp.metrics.trackers import Trackers, start_trackers
 
 log = logging.getLogger(__name__)
 
@@ -304,6 +305,25 @@ class Session:
         """Every rank's picklable object, in rank order (collective)."""
         self.ctx  # noqa: B018 - raises when not started
         return all_gather_objects(obj)
+
+    def trackers(self, specs: Sequence[str], run_dir: str | os.PathLike[str], config: Mapping[str, Any] | None = None,
+                 start_step: int = 0) -> Trackers:
+        """Experiment trackers (`"tensorboard"`, `"wandb"`, `"mlflow"`, `"package.module:function"`)
+        for the run in `run_dir`, as `--tracker` starts them: rank 0's log what `log(record, step)`
+        gets, the other ranks' do nothing; `start_step` > 0 continues the tracker runs recorded
+        in `run_dir` (a resume). Call `finish()` at the end (collective: a tracker that fails to
+        start raises on every rank)."""
+        self.ctx  # noqa: B018 - raises when not started
+        directory = Path(run_dir)
+        specs, config = list(specs), dict(config or {})
+
+        def start() -> None:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._trackers = start_trackers(specs, directory, config, start_step, log.warning)
+
+        self._trackers = Trackers({}, log.warning)
+        on_rank_zero(start)
+        return self._trackers
 
     # -- checkpoints: the Trainer's commit protocol, manifest and RNG states -------------
 

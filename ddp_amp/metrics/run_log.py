@@ -29,6 +29,7 @@ import torch
 from ddp_amp.dist import on_rank_zero
 from ddp_amp.durable import write_atomic
 from ddp_amp.metrics.progress import ProgressBar
+from ddp_amp.metrics.trackers import Trackers, start_trackers
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -61,6 +62,7 @@ class RunLog:
         self.use_bar = self.stream.isatty() if bar is None else bar
         self._bar: ProgressBar | None = None
         self._metrics: TextIO | None = None  # opened by the first write, on rank 0
+        self._trackers: Trackers | None = None  # --tracker, on rank 0
 
     def info(self, message: str) -> None:
         if self._bar is not None:
@@ -133,9 +135,21 @@ class RunLog:
     def _write_json(self, name: str, payload: dict[str, Any]) -> None:
         write_atomic(self.run_dir / name, json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
 
+    def start_trackers(self, specs: list[str], config: dict[str, Any], start_step: int) -> None:
+        """Start the `--tracker` trackers on rank 0, continuing this run directory's tracker
+        runs when `start_step` > 0 (collective: a tracker that fails to start stops every rank)."""
+        if specs:
+            on_rank_zero(lambda: self._start_trackers(specs, config, start_step))
+
+    def _start_trackers(self, specs: list[str], config: dict[str, Any], start_step: int) -> None:
+        self._trackers = start_trackers(specs, self.run_dir, config, start_step, self.warn)
+
     def metrics(self, record: dict[str, Any]) -> None:
-        """One logged step: appended to metrics.jsonl (collective); on the bar, else a line."""
+        """One logged step: appended to metrics.jsonl (collective); on the bar, else a line;
+        and to the trackers."""
         on_rank_zero(lambda: self._append(record))
+        if self._trackers is not None:
+            self._trackers.log(record, int(record.get("step", 0)))
         if self._bar is not None:
             self._bar.show(record)
         else:
@@ -150,6 +164,9 @@ class RunLog:
             self._append({"summary": record})
 
         on_rank_zero(write)
+        if self._trackers is not None:  # what only the summary has: a final test pass's metrics
+            self._trackers.log({k: v for k, v in record.items() if k.startswith("test_")},
+                               int(record.get("steps", record.get("step", 0))))
         self.info("summary: " + _format(record))
 
     def _close_bar(self) -> None:
@@ -159,6 +176,9 @@ class RunLog:
 
     def close(self) -> None:
         self._close_bar()
+        if self._trackers is not None:
+            self._trackers.finish()
+            self._trackers = None
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
@@ -175,6 +195,7 @@ class QuietRunLog(RunLog):
         self.rank = rank
         self._bar = None
         self._metrics = None
+        self._trackers = None  # rank 0's
 
     def info(self, message: str) -> None:
         pass
@@ -190,6 +211,9 @@ class QuietRunLog(RunLog):
 
     def _write_json(self, name: str, payload: dict[str, Any]) -> None:
         pass
+
+    def _start_trackers(self, specs: list[str], config: dict[str, Any], start_step: int) -> None:
+        pass  # rank 0's
 
     def _rewind(self, step: int) -> int:
         return 0
