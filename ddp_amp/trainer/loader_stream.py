@@ -10,6 +10,11 @@ A pass ends when the loader is exhausted; before each pass the stream calls `set
 on the loader's sampler, its batch sampler's sampler and its dataset, where they have one
 (a `DistributedSampler`, a streaming dataset), so a shuffle differs per pass and is the same
 again on a resume.
+
+The global CPU RNG is left as it was by every call into the loader: a DataLoader without a
+generator of its own draws its base seed from it when an iterator is made (and torchdata's
+`state_dict()` may make one). A resumed run makes that iterator at another step than an
+uninterrupted one, so the draw would shift every later dropout mask.
 """
 
 from __future__ import annotations
@@ -59,12 +64,14 @@ class LoaderStream:
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next micro-batch comes from: the pass, and the loader's own state."""
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                "loader": self.loader.state_dict()}  # type: ignore[attr-defined]
+        with torch.random.fork_rng(devices=[]):
+            loader_state = self.loader.state_dict()  # type: ignore[attr-defined]
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": loader_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
-        self.loader.load_state_dict(state["loader"])  # type: ignore[attr-defined]
+        with torch.random.fork_rng(devices=[]):
+            self.loader.load_state_dict(state["loader"])  # type: ignore[attr-defined]
         self._iterator = None
 
     def __iter__(self) -> LoaderStream:
@@ -74,7 +81,8 @@ class LoaderStream:
         if self._iterator is None:
             for part in self._epoch_setters:
                 part.set_epoch(self.epoch)
-            self._iterator = iter(self.loader)
+            with torch.random.fork_rng(devices=[]):
+                self._iterator = iter(self.loader)
         return next(self._iterator)
 
     def __next__(self) -> Any:
