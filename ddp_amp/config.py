@@ -31,6 +31,7 @@ from ddp_amp.metrics.trackers import BUILT_IN as TRACKERS
 # so, "precision" follows the AMP recipe's rules (a fresh or ignored scaler, with a notice),
 # "free" is about this launch only and is not compared.
 RESUME_CLASSES = ("match", "notice", "precision", "free")
+PROFILE_STEPS = re.compile(r"^([0-9]+):([0-9]+)$")
 KEEP_BEST = re.compile(r"^[A-Za-z_][\w.-]*(:(min|max))?$")
 
 
@@ -87,6 +88,12 @@ class TrainConfig:
                         "wandb (offline unless WANDB_MODE says otherwise), mlflow, or package.module:function "
                         "returning your own; rank 0 only; a resume continues their runs", resume="free")
     debug: bool = _opt(False, "show full tracebacks on errors", resume="free")
+    profile_steps: str = _opt("", "A:B: record torch.profiler over optimizer steps A to B on every rank into "
+                              "<run-dir>/profile/ (TensorBoard and Perfetto open it); rank 0 prints the top ops "
+                              "per step", resume="free")
+    memory_snapshot: bool = _opt(False, "CUDA only: record the allocator's history and write a memory snapshot "
+                                 "to <run-dir>/profile/ at the end of the profile window or training, and on "
+                                 "out-of-memory", resume="free")
     # --- checkpoints (ddp_amp/checkpoint/) ---
     ckpt_every: int = _opt(0, "also save a checkpoint every N optimizer steps; 0 = only the "
                            "final one at the end of training")
@@ -165,6 +172,10 @@ class TrainConfig:
         if self.keep_best and not KEEP_BEST.match(self.keep_best):
             raise UsageError("--keep-best", self.keep_best, "METRIC or METRIC:min or METRIC:max",
                              "e.g. --keep-best eval_nll, or --keep-best eval_accuracy:max")
+        window = PROFILE_STEPS.match(self.profile_steps)
+        if self.profile_steps and (not window or not 1 <= int(window[1]) <= int(window[2])):
+            raise UsageError("--profile-steps", self.profile_steps, "A:B with 1 <= A <= B (optimizer steps)",
+                             "e.g. --profile-steps 10:12 to profile three steps after warm-up")
         for spec in self.tracker_specs():
             if spec not in TRACKERS and ":" not in spec:
                 near = difflib.get_close_matches(spec, TRACKERS, n=1)

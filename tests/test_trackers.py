@@ -114,29 +114,47 @@ def test_a_session_loop_has_the_same_trackers(tmp_path: Path) -> None:
                                           {"step": 7, "loss": 1.25}, {"finished": "own-" + tmp_path.name}]
 
 
-def _train(run_dir: Path, steps: int, trackers: str, nproc: int = 2):
+def _train(run_dir: Path, steps: int, trackers: str, *extra: str, nproc: int = 2):
     return run_train(["--task", "mlp", "--task-opt", "hidden=16", "--task-opt", "samples=256", "--batch-size", "16",
                       "--max-steps", str(steps), "--log-every", "2", "--eval-every", "4", "--tracker", trackers,
-                      "--run-dir", str(run_dir)], nproc=nproc)
+                      "--run-dir", str(run_dir), *extra], nproc=nproc)
 
 
-def test_a_two_rank_run_and_its_resume_log_to_one_tracker_run_from_rank_0(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-rank run to step 4 (profiling steps 2-3), resumed to step 8."""
+    run_dir = tmp_path_factory.mktemp("tracked")
     trackers = "tensorboard,tests.plugins.own_tracker:json_tracker"
-    first = _train(tmp_path, 4, trackers)
+    first = _train(run_dir, 4, trackers, "--profile-steps", "2:3")
     assert first.returncode == 0, first.stderr[-2000:]
-    again = _train(tmp_path, 8, trackers)
+    assert "top ops per step over 2 step(s)" in first.stdout and "profile of steps 2-3" in first.stdout
+    again = _train(run_dir, 8, trackers)
     assert again.returncode == 0 and "resumed from" in again.stdout, again.stderr[-2000:]
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return run_dir
+
+
+def test_a_two_rank_run_and_its_resume_log_to_one_tracker_run_from_rank_0(two_rank_run: Path) -> None:
+    records = [json.loads(line) for line in (two_rank_run / "metrics.jsonl").read_text().splitlines()]
     losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
     assert [step for step, _ in losses] == [2, 4, 6, 8]
-    assert [(s, pytest.approx(v)) for s, v in _tensorboard(tmp_path, "loss")] == losses
+    assert [(s, pytest.approx(v)) for s, v in _tensorboard(two_rank_run, "loss")] == losses
     evals = [(r["step"], r["eval_mse"]) for r in records if "eval_mse" in r]
-    assert [(s, pytest.approx(v)) for s, v in _tensorboard(tmp_path, "eval_mse")] == evals and len(evals) == 3
-    own = own_tracker.read(tmp_path)
+    assert [(s, pytest.approx(v)) for s, v in _tensorboard(two_rank_run, "eval_mse")] == evals and len(evals) == 3
+    own = own_tracker.read(two_rank_run)
     starts = [line for line in own if "start" in line]
     # rank 0 only, once per launch, and the second launch continued the first one's run
-    assert [(s["start"], s["run_id"]) for s in starts] == [(0, "own-" + tmp_path.name), (4, "own-" + tmp_path.name)]
+    name = "own-" + two_rank_run.name
+    assert [(s["start"], s["run_id"]) for s in starts] == [(0, name), (4, name)]
     assert [line["step"] for line in own if "loss" in line] == [2, 4, 6, 8]
+
+
+def test_the_profile_window_left_a_trace_per_rank_that_parses(two_rank_run: Path) -> None:
+    traces = sorted((two_rank_run / "profile").glob("rank*.pt.trace.json"))
+    assert [trace.name.split(".")[0] for trace in traces] == ["rank0", "rank1"]  # one each, the resume none
+    for trace in traces:
+        events = json.loads(trace.read_text())["traceEvents"]
+        steps = {event["name"] for event in events if event.get("name", "").startswith("ProfilerStep#")}
+        assert len(steps) == 2 and any(event.get("name") == "aten::addmm" for event in events), trace
 
 
 def test_a_tracker_that_fails_to_start_stops_the_run_before_step_0(tmp_path: Path) -> None:

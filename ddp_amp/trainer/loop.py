@@ -41,6 +41,7 @@ from ddp_amp.trainer.best import BestKeeper
 from ddp_amp.trainer.evaluation import evaluate
 from ddp_amp.trainer.schedules import SchedulerDriver
 from ddp_amp.trainer.optimizers import make_optimizers
+from ddp_amp.trainer.profiling import ProfileWindow, parse_window
 from ddp_amp.trainer.iterable_stream import iterable_stream
 from ddp_amp.trainer.loader_stream import LoaderStream
 from ddp_amp.trainer.stream import BatchStream, collate
@@ -113,6 +114,12 @@ class Trainer:
         if config.keep_best and task.metric is None and task.eval_fn is None:
             raise UsageError("--keep-best", config.keep_best, "a task with eval_data and a metric",
                              "the best checkpoint is chosen by an eval metric; drop --keep-best")
+        if config.memory_snapshot and self.device.type != "cuda":
+            raise UsageError("--memory-snapshot", True, "a CUDA device (it records the CUDA allocator)",
+                             "drop --memory-snapshot on a CPU run")
+        self.profile = ProfileWindow(parse_window(config.profile_steps), config.memory_snapshot,
+                                     checkpoint_root.parent / "profile" if checkpoint_root is not None else None,
+                                     ctx.rank, self.device, run_log.info)
         self.best = BestKeeper(config.keep_best, checkpoint_root, run_log.info) \
             if config.keep_best and checkpoint_root is not None else None
 
@@ -233,6 +240,7 @@ class Trainer:
             return self._fit()
         finally:
             self.preemption.restore()
+            self.profile.finish()  # a window training ended inside of (a stop, an error) is written too
 
     def _fit(self) -> dict[str, Any]:
         self.model.train()
@@ -246,10 +254,16 @@ class Trainer:
         last_eval = self.eval_record() if every and self.step == 0 else {}
         self.run_log.start_progress(self.config.max_steps, self.step)
         while self.step < self.config.max_steps:
-            if self.flops_per_step is None:  # the first step here: count its model FLOPs once
-                loss, self.flops_per_step = counting_flops(self.train_step)
-            else:
-                loss = self.train_step()
+            self.profile.before_step(self.step)
+            try:
+                if self.flops_per_step is None:  # the first step here: count its model FLOPs once
+                    loss, self.flops_per_step = counting_flops(self.train_step)
+                else:
+                    loss = self.train_step()
+            except torch.OutOfMemoryError:
+                self.profile.dump_memory("out of memory")
+                raise
+            self.profile.after_step(self.step)
             self.run_log.advance()
             if every and self.step % every == 0:
                 eval_started = time.perf_counter()
