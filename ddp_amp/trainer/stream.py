@@ -4,6 +4,13 @@ Each epoch draws its order from a `DistributedSampler` with `set_epoch(epoch)`, 
 rank sees a disjoint shard and the order changes per epoch but is the same for a given
 seed. The position (epoch, micro-batch within the epoch) is part of a checkpoint, and
 `load_state_dict` resumes at exactly that micro-batch.
+
+Map-style data keeps this small stream rather than torchdata's `StatefulDataLoader` (which
+carries iterable data and a task's own loader, loader_stream.py): its position is one pair
+of numbers shared by all ranks, so a resume starts at the saved sample without replaying
+the epoch, and maps onto another world size where the sample count divides
+(checkpointing.py's `map_data_position`); a stateful loader's state is per rank and
+per world size.
 """
 
 from __future__ import annotations
