@@ -37,6 +37,27 @@ def test_cast_outputs_to_fp32_and_disabled_wrapper() -> None:
     assert off(inputs).dtype == torch.float32
 
 
+class AttributeOutput(dict):
+    """Like a Hugging Face ModelOutput: a dict whose values are also attributes."""
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        return self[name]
+
+
+class LogitsModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, inputs: torch.Tensor) -> AttributeOutput:
+        return AttributeOutput(logits=self.linear(inputs), note="kept")
+
+
+def test_a_dict_output_of_its_own_class_keeps_its_class_when_cast() -> None:
+    output = AutocastModule(LogitsModel(), "cpu", torch.bfloat16, cast_outputs_to_fp32=True)(torch.randn(2, 4))
+    assert type(output) is AttributeOutput and output.logits.dtype == torch.float32 and output.note == "kept"
+
+
 def test_wrapper_pickles_and_unwraps_to_the_users_module() -> None:
     inner = nn.Linear(3, 3)
     wrapped = AutocastModule(inner, "cpu", torch.bfloat16)

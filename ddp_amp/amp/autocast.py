@@ -8,6 +8,7 @@ the forward runs. Placement: ``DDP(AutocastModule(user_model))``.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -22,7 +23,14 @@ def _to_fp32(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_to_fp32(v) for v in value)
     if isinstance(value, dict):
-        return {k: _to_fp32(v) for k, v in value.items()}
+        if type(value) is dict:
+            return {k: _to_fp32(v) for k, v in value.items()}
+        # A dict of its own class (a Hugging Face ModelOutput, read as `output.logits`) stays
+        # that class: a shallow copy of it, its values replaced.
+        converted = copy.copy(value)
+        for key, item in value.items():
+            converted[key] = _to_fp32(item)
+        return converted
     return value
 
 
