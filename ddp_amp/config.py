@@ -108,6 +108,10 @@ class TrainConfig:
                           "if any, is scored with it at the end")
     archive_checkpoints: bool = _opt(False, "with --resume none: move the run directory's checkpoints "
                                      "to checkpoints-archived-<time>/ before the first step", resume="free")
+    async_checkpoint: bool = _opt(False, "write the --ckpt-every checkpoints in the background: training "
+                                  "waits only for a host copy of the state, rank 0 writes it while the next "
+                                  "steps run (one save in flight; the final, preemption and --keep-best saves "
+                                  "stay synchronous)", resume="free")
     allow_change: str = _opt("", "comma list of settings that must match on resume (marked so in "
                              "this help) whose change you accept, e.g. seed,task_opt", resume="free")
     # --- watching a run (ddp_amp/guards/): fp16 loss-scale safety and the rank-consistency guard ---
@@ -181,6 +185,9 @@ class TrainConfig:
                 near = difflib.get_close_matches(spec, TRACKERS, n=1)
                 raise UsageError("--tracker", spec, f"one of {', '.join(TRACKERS)} or 'package.module:function'",
                                  f"did you mean {near[0]}?" if near else "e.g. --tracker tensorboard,wandb")
+        if self.async_checkpoint and not self.ckpt_every:
+            raise UsageError("--async-checkpoint", True, "--ckpt-every N with it (the saves it moves to the background)",
+                             "the final checkpoint is always written before the run ends; add e.g. --ckpt-every 500")
         if self.archive_checkpoints and self.resume != "none":
             raise UsageError("--archive-checkpoints", True, "--resume none with it",
                              "it moves old checkpoints aside for a fresh run: add --resume none")

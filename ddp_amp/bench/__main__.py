@@ -4,6 +4,7 @@
     python -m ddp_amp.bench --sections recipe       # only the AMP recipe trials
     python -m ddp_amp.bench --sections host --check # the Trainer's host time; exit 1 off target
     python -m ddp_amp.bench --sections transformer  # GPT-2 small: tokens/s, memory, MFU (GPU)
+    python -m ddp_amp.bench --sections checkpoint --scale 1  # async vs sync save stall, 101M params
     python -m ddp_amp.bench --json bench.json       # also write the figures as JSON
     python -m ddp_amp.bench --help                  # every option
 
@@ -26,9 +27,9 @@ from typing import Any, NoReturn
 
 import torch
 
-from ddp_amp.bench import amp_recipe, fastpaths, host, overhead, table, transformer
+from ddp_amp.bench import amp_recipe, checkpoint_stall, fastpaths, host, overhead, table, transformer
 
-SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer")
+SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,15 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
         "static graph, grad-comm dtype, torch.compile, pinned non-blocking copies (CUDA); (transformer) a "
         "GPT-2-small-shaped decoder (124M parameters, 8 x 1024 tokens; a 2-layer miniature on CPU), hand "
         "loop vs Trainer, fp32/bf16/fp16/fp8, eager and compiled: tokens/s, peak memory, TFLOP/s and MFU "
-        "from torch's FLOP counter. Defaults depend on the device: recipe sizes on CUDA, 1/16 of them and "
-        "short runs on CPU.")
+        "from torch's FLOP counter; (checkpoint) the loop's stall of a --async-checkpoint save (RNG gather and "
+        "host copy; the write runs in the background) against a synchronous save, as paired saves of one "
+        "trainer on an mlp of 8 layers of width 4096 x --scale (101M parameters and AdamW state at scale 1). "
+        "Defaults depend on the device: recipe sizes on CUDA, 1/16 of them and short runs on CPU.")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated sections to run, from {', '.join(SECTIONS)} (default: all)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                         help="where to run: auto (cuda if available), cuda or cpu (default: auto)")
     parser.add_argument("--scale", type=float, default=None,
-                        help="multiply the recipe's width 4096 and batch 512 by this (default: 1 on "
-                        "CUDA, 0.0625 on CPU)")
+                        help="multiply the recipe's width 4096 and batch 512, and the checkpoint section's "
+                        "width 4096, by this (default: 1 on CUDA, 0.0625 on CPU)")
     parser.add_argument("--batches", type=int, default=50, help="recipe: batches per epoch (default: 50)")
     parser.add_argument("--epochs", type=int, default=3, help="recipe: epochs (default: 3)")
     parser.add_argument("--trials", default=",".join(amp_recipe.TRIALS),
@@ -70,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fastpaths-precision", choices=("fp32", "bf16", "fp16"), default=None,
                         help="fastpaths: precision (default: fp16 on CUDA, fp32 on CPU where low precision is slow)")
     parser.add_argument("--blocks", type=int, default=None,
-                        help="overhead/fastpaths: interleaved blocks per contender (default: 20 on CUDA, 8 on CPU)")
+                        help="overhead/fastpaths: interleaved blocks per contender (default: 20 on CUDA, 8 on "
+                        "CPU); checkpoint: paired saves (default: 10 on CUDA, 5 on CPU)")
     parser.add_argument("--steps-per-block", type=int, default=None,
                         help="overhead/fastpaths: steps per block (default: 10 on CUDA, 4 on CPU)")
     parser.add_argument("--with-compile", action=argparse.BooleanOptionalAction, default=None,
@@ -111,6 +115,7 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     # A transformer step is 20-200 ms on a GPU: fewer, shorter blocks for the same confidence.
     args.transformer_blocks = args.blocks or (10 if cuda else 4)
     args.transformer_steps = args.steps_per_block or (4 if cuda else 2)
+    args.checkpoint_pairs = args.blocks or (10 if cuda else 5)
     args.blocks = args.blocks or (20 if cuda else 8)
     args.steps_per_block = args.steps_per_block or (10 if cuda else 4)
     args.with_compile = cuda if args.with_compile is None else args.with_compile
@@ -169,6 +174,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   args.transformer_precisions, backend=args.backend, batch=args.transformer_batch)
         report["sections"]["transformer"] = section
         print("\n" + table.transformer_table(section), flush=True)
+    if "checkpoint" in args.sections:
+        section = checkpoint_stall.run(args.device, args.scale, args.checkpoint_pairs, threads=args.trial_threads)
+        report["sections"]["checkpoint"] = section
+        print("\n" + checkpoint_stall.async_table(section), flush=True)
     return report
 
 

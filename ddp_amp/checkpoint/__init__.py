@@ -9,12 +9,15 @@
 - `discovery`: `step-N` layout, the newest complete checkpoint, `--resume auto|none|PATH`;
 - `safe_types`: what a checkpoint may hold and the restricted loader that reads it back;
 - `rng`: every rank's RNG states;
-- `save` / `load`: the collective save and load that the Trainer and `Session` both use.
+- `save` / `load`: the collective save and load that the Trainer and `Session` both use;
+- `background` / `staging`: the same save with the write in a thread on rank 0, from a host
+  copy of the state (`--async-checkpoint`).
 
 What goes into the files is the caller's: the Trainer saves its model and training state,
 `Session` the user's state. Imports `amp`, `dist`, `durable`, `errors` and `version`.
 """
 
+from ddp_amp.checkpoint.background import BackgroundSaver, FinishedWrite
 from ddp_amp.checkpoint.best import BEST_FILE, BestRecord, read_best, write_best
 from ddp_amp.checkpoint.commit import apply_retention, commit_checkpoint, commit_directory
 from ddp_amp.checkpoint.discovery import (checkpoint_root, complete_copy, list_step_dirs, newest_complete,
@@ -28,8 +31,8 @@ from ddp_amp.checkpoint.save import (META_FILE, RNG_FILE, CheckpointError, SaveR
                                      save_checkpoint, save_directory)
 
 __all__ = [
-    "BEST_FILE", "META_FILE", "RNG_FILE", "BestRecord", "CheckpointError", "IncompleteCheckpoint",
-    "LoadedCheckpoint", "SaveResult", "read_best", "write_best",
+    "BEST_FILE", "META_FILE", "RNG_FILE", "BackgroundSaver", "BestRecord", "CheckpointError", "FinishedWrite",
+    "IncompleteCheckpoint", "LoadedCheckpoint", "SaveResult", "read_best", "write_best",
     "apply_retention", "capture_rng", "check_loadable", "checkpoint_root", "choose_checkpoint",
     "commit_checkpoint", "commit_directory", "complete_copy", "ensure_writable", "gather_rng_states",
     "list_step_dirs", "newest_complete", "read_agreed", "read_checkpoint", "resolve_resume",

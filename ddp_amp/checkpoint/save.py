@@ -1,9 +1,11 @@
 """Saving as a collective: every rank calls it, rank 0 writes, every rank learns the outcome.
 
 RNG states are gathered from all ranks first (each rank's dropout stream differs); then
-rank 0 checks that every file will load back, commits the directory and tells every rank
-the committed path or why there is none (`dist.on_rank_zero`), so no rank carries on
-believing a checkpoint exists that does not, and no rank waits on a rank 0 that failed.
+rank 0 checks that every file will load back (`build_contents`), commits the directory
+(`commit_outcome`) and tells every rank the committed path or why there is none
+(`dist.on_rank_zero`), so no rank carries on believing a checkpoint exists that does not,
+and no rank waits on a rank 0 that failed. `background.py` runs the same two steps with
+the commit in a writer thread (`--async-checkpoint`).
 
 The caller names the files (the Trainer: model, train state; `Session`: the user's
 state); `rng.pt` (every rank's RNG) and `meta.json` (world size, versions, the caller's
@@ -69,23 +71,39 @@ def _entries(files: dict[str, Any]) -> list[tuple[str, Any]]:
     return found
 
 
+def build_contents(files: dict[str, Any], meta: dict[str, Any], rng_states: list[dict[str, Any]] | None,
+                   world_size: int) -> dict[str, Any]:
+    """Rank 0: every file the commit writes, once each value is known to load back.
+
+    `files` are the caller's; `rng.pt` (the gathered RNG states) and `meta.json` are added.
+    A value a safe load would refuse raises UsageError, before anything is written.
+    """
+    for name, value in _entries(files):
+        check_loadable(name, value)
+    description = {**meta, "world_size": world_size, "ddp_amp_version": __version__,
+                   "torch_version": torch.__version__}
+    return {**files, RNG_FILE: {"ranks": rng_states},
+            META_FILE: (json.dumps(description, indent=2, sort_keys=True, default=str) + "\n").encode()}
+
+
+def commit_outcome(target: Path, commit: Callable[[dict[str, Any]], Path],
+                   contents: dict[str, Any]) -> tuple[str | None, CheckpointError | None]:
+    """Rank 0: commit `contents`; (the committed path, None) or (None, why the disk refused).
+
+    The one write step of both a synchronous save and a background one, so both go through
+    the same commit protocol, manifest and retention.
+    """
+    try:
+        return str(commit(contents)), None
+    except OSError as error:
+        return None, _write_failure(target, error)
+
+
 def _save(target: Path, commit: Callable[[dict[str, Any]], Path], files: dict[str, Any],
           meta: dict[str, Any], device: torch.device, world_size: int) -> SaveResult:
     rng_states = gather_rng_states(device)
-
-    def write() -> tuple[str | None, CheckpointError | None]:
-        for name, value in _entries(files):
-            check_loadable(name, value)
-        description = {**meta, "world_size": world_size, "ddp_amp_version": __version__,
-                       "torch_version": torch.__version__}
-        contents = {**files, RNG_FILE: {"ranks": rng_states},
-                    META_FILE: (json.dumps(description, indent=2, sort_keys=True, default=str) + "\n").encode()}
-        try:
-            return str(commit(contents)), None
-        except OSError as error:
-            return None, _write_failure(target, error)
-
-    path, failure = on_rank_zero(write)
+    path, failure = on_rank_zero(
+        lambda: commit_outcome(target, commit, build_contents(files, meta, rng_states, world_size)))
     return SaveResult(Path(path) if path else None, failure)
 
 
@@ -97,8 +115,12 @@ def save_checkpoint(root: Path, step: int, files: dict[str, Any], meta: dict[str
     `SaveResult.error` on every rank; state that would not load back raises UsageError
     on every rank; either way nothing older is touched.
     """
-    return _save(root / step_dir_name(step), lambda contents: commit_checkpoint(root, step, contents, keep_last),
-                 files, meta, device, world_size)
+    return _save(root / step_dir_name(step), commit_step(root, step, keep_last), files, meta, device, world_size)
+
+
+def commit_step(root: Path, step: int, keep_last: int) -> Callable[[dict[str, Any]], Path]:
+    """The commit of a run's checkpoint `step`: its `step-N` directory, then retention."""
+    return lambda contents: commit_checkpoint(root, step, contents, keep_last)
 
 
 def save_directory(target: Path, files: dict[str, Any], meta: dict[str, Any], device: torch.device,

@@ -111,6 +111,7 @@ class Trainer:
         self.checkpoint_error: checkpoint.CheckpointError | None = None
         self._saved_step: int | None = None
         self.last_checkpoint: Path | None = None  # the newest this run committed or resumed from
+        self.background = checkpoint.BackgroundSaver()  # --async-checkpoint's writer, one save in flight
         if config.keep_best and task.metric is None and task.eval_fn is None:
             raise UsageError("--keep-best", config.keep_best, "a task with eval_data and a metric",
                              "the best checkpoint is chosen by an eval metric; drop --keep-best")
@@ -238,6 +239,12 @@ class Trainer:
         self.preemption.install(self.step)
         try:
             return self._fit()
+        except BaseException:
+            # No collective here: a peer may be gone. Rank 0's background write finishes or
+            # fails before the process exits; if it never ends, the commit protocol leaves
+            # the previous checkpoint whole.
+            self.background.join_locally()
+            raise
         finally:
             self.preemption.restore()
             self.profile.finish()  # a window training ended inside of (a stop, an error) is written too
@@ -278,7 +285,7 @@ class Trainer:
                 self.watch.on_log(record)
                 window_start, window_samples, window_steps = now, self.samples_seen, self.step
             if self.config.ckpt_every and self.step % self.config.ckpt_every == 0:
-                self._checkpoint_or_raise()
+                self._cadence_checkpoint()
             if self.step < self.config.max_steps and self.preemption.should_stop(self.step):
                 return self.stop_for_preemption()
         self.watch.finish(self.step)
@@ -327,27 +334,87 @@ class Trainer:
 
         Returns the checkpoint directory on every rank, or None on every rank if the write
         failed (the reason is in `self.checkpoint_error`; older checkpoints are untouched)
-        or checkpointing is off. Saving the same step twice writes it once.
+        or checkpointing is off. Saving the same step twice writes it once. A save still
+        being written in the background is waited for first; if that one failed, its
+        failure is this call's.
         """
+        root = self._save_root()
+        if root is None:
+            return None
+        if self._saved_step == self.step:
+            return root / checkpoint.step_dir_name(self.step)
+        started = time.perf_counter()
+        files, meta = self._state_to_save()
+        result = checkpoint.save_checkpoint(root, self.step, files, meta, self.device, self.ctx.world_size,
+                                            self.config.keep_last)
+        return self._learn_outcome(self.step, result.path, result.error, time.perf_counter() - started)
+
+    def _cadence_checkpoint(self) -> None:
+        """The --ckpt-every save: in the background under --async-checkpoint (collective)."""
+        if self.config.async_checkpoint:
+            self.start_checkpoint()
+        else:
+            self._checkpoint_or_raise()
+
+    def start_checkpoint(self) -> None:
+        """Start a checkpoint of the current step that rank 0 writes in the background (collective).
+
+        Returns once the state is gathered and copied into host memory; the next save, or
+        `wait_for_checkpoint`, learns how the write ended. The save before it is waited for
+        first: if that one failed, its CheckpointError is raised here, on every rank.
+        """
+        started = time.perf_counter()  # the stall logged includes waiting for the previous write
+        root = self._save_root()
+        if root is None:
+            if self.checkpoint_error is not None:  # the previous background write failed
+                raise mark_agreed(self.checkpoint_error, 0)
+            return
+        if self._saved_step == self.step:  # --keep-best saved this step already
+            return
+        files, meta = self._state_to_save()
+        self.background.start(root, self.step, files, meta, self.device, self.ctx.world_size, self.config.keep_last)
+        self.run_log.info(f"checkpoint {checkpoint.step_dir_name(self.step)} started in the background "
+                          f"(stall {time.perf_counter() - started:.2f} s)")
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Wait for the background save in flight, if any (collective); `last_checkpoint` then,
+        or None on every rank if that save failed (the reason in `checkpoint_error`)."""
+        if self.checkpoint_root is None:
+            return None
+        finished = self.background.wait()
+        if finished is not None:
+            return self._learn_outcome(finished.step, finished.path, finished.error, finished.write_s,
+                                       how=" in the background")
+        return self.last_checkpoint
+
+    def _save_root(self) -> Path | None:
+        """What every save does first (collective): the directory to save into, or None where
+        checkpointing is off or the save in flight in the background failed (its error is
+        then in `checkpoint_error`)."""
         if self.schedule is not None:
             self.schedule.before_checkpoint()
         if self.checkpoint_root is None:
             return None
-        if self._saved_step == self.step:
-            return self.checkpoint_root / checkpoint.step_dir_name(self.step)
-        self.watch.before_checkpoint(self.step, self._resume_hint())
-        started = time.perf_counter()
-        meta = run_meta(self.config.to_dict(), self._parts(), self.precision.name, self.step)
-        result = checkpoint.save_checkpoint(self.checkpoint_root, self.step,
-                                            training_files(self._parts(), self.step, self.samples_seen),
-                                            meta, self.device, self.ctx.world_size, self.config.keep_last)
-        self.checkpoint_error = result.error
-        if result.path is None:
-            self.run_log.info(f"checkpoint at step {self.step} failed: {result.error}")
+        if self.background.in_flight is not None and self.wait_for_checkpoint() is None:
             return None
-        self._saved_step, self.last_checkpoint = self.step, result.path
-        self.run_log.info(f"saved checkpoint {result.path} ({time.perf_counter() - started:.2f} s)")
-        return result.path
+        return self.checkpoint_root
+
+    def _state_to_save(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The current step's files and meta.json description, once it is known finite (collective)."""
+        self.watch.before_checkpoint(self.step, self._resume_hint())
+        meta = run_meta(self.config.to_dict(), self._parts(), self.precision.name, self.step)
+        return training_files(self._parts(), self.step, self.samples_seen), meta
+
+    def _learn_outcome(self, step: int, path: Path | None, error: checkpoint.CheckpointError | None,
+                       seconds: float, how: str = "") -> Path | None:
+        """Record a save's outcome, the same on every rank: `last_checkpoint` names only committed ones."""
+        self.checkpoint_error = error
+        if path is None:
+            self.run_log.info(f"checkpoint at step {step} failed: {error}")
+            return None
+        self._saved_step, self.last_checkpoint = step, path
+        self.run_log.info(f"saved checkpoint {path} ({seconds:.2f} s{how})")
+        return path
 
     def _resume_hint(self) -> str:
         if self.last_checkpoint is None:

@@ -1,0 +1,128 @@
+"""Checkpoints written in the background: training waits only for collectives and a host copy.
+
+`BackgroundSaver.start` (collective) does in the foreground what needs the other ranks or
+the live state: it gathers every rank's RNG state, and rank 0 checks that every value will
+load back and copies its state off the device (`staging.HostStaging`: the next optimizer
+step changes the live tensors in place). Rank 0's writer thread then commits that copy
+with the synchronous save's own write step (`save.commit_outcome`), so the commit
+protocol, the manifest and retention are the same in both modes.
+
+At most one write is in flight. `wait` (collective) joins it on rank 0 and tells every
+rank its outcome through `dist.on_rank_zero`, so a failed background write reaches every
+rank at the same point of the loop, as the error of a synchronous save would. On a
+failure path a peer may be gone, so `join_locally` only lets rank 0's write finish or fail
+before the process exits; one that never finishes leaves a `.tmp-` directory, which no
+reader takes for a checkpoint, and every committed checkpoint untouched.
+
+Not torch.distributed.checkpoint's async save: that writes a second on-disk format with
+its own metadata and commit rules. Building on this writer keeps one commit protocol,
+manifest and retention for both modes, and resume (including mapping the data position
+onto another world size) reads the same directory whichever mode wrote it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddp_amp.checkpoint.discovery import step_dir_name
+from ddp_amp.checkpoint.rng import gather_rng_states
+from ddp_amp.checkpoint.save import build_contents, commit_outcome, commit_step
+from ddp_amp.checkpoint.staging import HostStaging
+from ddp_amp.dist import on_rank_zero
+from ddp_amp.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class FinishedWrite:
+    """A background write's outcome, the same on every rank: the path, or why there is none."""
+
+    step: int
+    path: Path | None
+    error: CheckpointError | None
+    write_s: float  # rank 0's time from the thread's start to the commit (or the failure)
+
+
+@dataclass
+class _Write:
+    """One write in flight: its step on every rank; its thread and outcome on rank 0 only."""
+
+    step: int
+    target: Path
+    thread: threading.Thread | None = None
+    outcome: tuple[str | None, CheckpointError | None] | None = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+
+    def run(self, commit: Callable[[dict[str, Any]], Path], contents: dict[str, Any]) -> None:
+        """The writer thread's body: commit, and keep whatever happened for `result`."""
+        started = time.perf_counter()
+        try:
+            self.outcome = commit_outcome(self.target, commit, contents)
+        except BaseException as error:  # noqa: BLE001 - raised on every rank where the outcome is learned
+            self.error = error
+        finally:
+            self.seconds = time.perf_counter() - started
+
+    def result(self) -> tuple[str | None, CheckpointError | None, float]:
+        """Rank 0: wait for the thread; its (path, disk failure, seconds), or its error raised."""
+        assert self.thread is not None, "rank 0 starts a thread for every write"
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.outcome is not None
+        return (*self.outcome, self.seconds)
+
+
+class BackgroundSaver:
+    """`--async-checkpoint`'s writer: one checkpoint write in flight at most, on rank 0."""
+
+    def __init__(self) -> None:
+        self._staging = HostStaging()
+        self._write: _Write | None = None
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step whose write was started and whose outcome is not learned yet (every rank)."""
+        return self._write.step if self._write is not None else None
+
+    def start(self, root: Path, step: int, files: dict[str, Any], meta: dict[str, Any], device: torch.device,
+              world_size: int, keep_last: int = 0) -> None:
+        """Start writing checkpoint `step` under `root` (collective); returns once it is copied.
+
+        `files` and `meta` as for `save_checkpoint`. A value that would not load back raises
+        UsageError on every rank, as there. Call `wait` for the previous write first.
+        """
+        if self._write is not None:
+            raise RuntimeError(f"checkpoint step {self._write.step} is still being written: wait() first")
+        rng_states = gather_rng_states(device)  # fresh objects: nothing to copy
+        write = _Write(step, root / step_dir_name(step))
+
+        def stage() -> None:
+            contents = build_contents(self._staging.copy(files), meta, rng_states, world_size)
+            write.thread = threading.Thread(target=write.run, args=(commit_step(root, step, keep_last), contents),
+                                            name=f"ddp_amp checkpoint writer (step {step})")
+            write.thread.start()  # not a daemon: the interpreter lets it finish before exiting
+
+        on_rank_zero(stage)
+        self._write = write
+
+    def wait(self) -> FinishedWrite | None:
+        """The outcome of the write in flight, on every rank (collective); None if none is."""
+        write, self._write = self._write, None
+        if write is None:
+            return None
+        path, error, seconds = on_rank_zero(write.result)
+        return FinishedWrite(write.step, Path(path) if path else None, error, seconds)
+
+    def join_locally(self) -> None:
+        """On a failure path: let rank 0's write finish or fail, talking to no other rank."""
+        write, self._write = self._write, None
+        if write is not None and write.thread is not None:
+            write.thread.join()
