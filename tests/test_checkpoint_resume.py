@@ -99,10 +99,11 @@ def _single() -> DistContext:
 
 def test_one_rank_resume_is_bitwise_exact(tmp_path: Path) -> None:
     torch.set_num_threads(1)
-    for overrides in ({"precision": "fp32"}, {"precision": "fp16", "grad_accum": 2,
-                                              "task_opt": ("loss_mult=100",)}):
-        expected, resumed, _ = straight_vs_resumed(_single(), tmp_path / overrides["precision"], 9, 4,
-                                                   **overrides)
+    # The last: map-style data read by 2 DataLoader worker processes, resumed mid-epoch.
+    for case, overrides in enumerate(({"precision": "fp32"}, {"precision": "fp16", "grad_accum": 2,
+                                                              "task_opt": ("loss_mult=100",)},
+                                      {"precision": "fp32", "num_workers": 2})):
+        expected, resumed, _ = straight_vs_resumed(_single(), tmp_path / str(case), 9, 4, **overrides)
         assert_bitwise_equal(expected, resumed, str(overrides))
 
 

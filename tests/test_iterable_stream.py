@@ -72,4 +72,4 @@ def test_a_streamed_run_resumes_bitwise_on_two_ranks_with_workers(tmp_path: Path
     positions = load(straight, "data.pt")["ranks"]
     assert len(positions) == 2 and all(p["epoch"] == 1 for p in positions)
     other = _run(halves, 20, nproc=0)
-    assert other.returncode == 2 and "an iterable dataset's position is per rank" in other.stderr
+    assert other.returncode == 2 and "the data position is per rank" in other.stderr

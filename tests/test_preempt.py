@@ -168,3 +168,20 @@ def test_signal_options_cannot_overlap() -> None:
     with pytest.raises(UsageError, match="cannot mean both requeue and stop"):
         TrainConfig(preempt_signal="USR1,TERM", stop_signal="TERM")
     assert TrainConfig().signals() == ((signal.SIGUSR1,), (signal.SIGTERM,))
+
+
+def test_a_signal_during_start_up_is_kept_for_the_loop_instead_of_killing_the_process() -> None:
+    # Before the loop's watch is installed (process group, task, model still being built),
+    # USR1's default action would end the process; the early handler keeps it for the loop.
+    from ddp_amp.guards import EarlySignals
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        EarlySignals((signal.SIGUSR1,))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        watch = PreemptionWatch((signal.SIGUSR1,), torch.device("cpu"), check_s=0.05, distributed=False)
+        watch.install(step=0)
+        assert watch.received == signal.SIGUSR1
+        watch.restore()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

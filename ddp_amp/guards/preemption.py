@@ -69,6 +69,24 @@ def worker_ignores(signums: tuple[signal.Signals, ...]) -> functools.partial[Non
     return functools.partial(_ignore, tuple(int(s) for s in signums))
 
 
+class EarlySignals:
+    """Flags the preemption signals from the moment the command line is read, before the
+    process group, the task and the model are built: a SLURM warning that lands during a
+    slow start would otherwise kill the process (the default action of USR1 and TERM)
+    instead of checkpointing. `PreemptionWatch.install` takes over what it caught."""
+
+    def __init__(self, signums: tuple[signal.Signals, ...]) -> None:
+        self.received: signal.Signals | None = None
+        self.received_at = 0.0
+        if threading.current_thread() is threading.main_thread():
+            for signum in signums:
+                signal.signal(signum, self.on_signal)
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received, self.received_at = signal.Signals(signum), time.monotonic()
+
+
 class PreemptionWatch:
     """Signal flag + periodic cross-rank agreement. Use as a context manager around the loop."""
 
@@ -111,6 +129,9 @@ class PreemptionWatch:
             return
         for signum in self.signums:
             self._previous[signum] = signal.signal(signum, self._on_signal)
+            early = getattr(self._previous[signum], "__self__", None)
+            if isinstance(early, EarlySignals) and early.received is not None and self.received is None:
+                self.received, self.received_at = early.received, early.received_at  # came during start-up
         self._last_time = time.perf_counter()  # the first check measures training, not setup
 
     def restore(self) -> None:
