@@ -43,7 +43,7 @@ from ddp_amp.dist import (BackendChoice, DeviceChoice, DistContext, PeerFailureW
 from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import check_rank_sync
-from ddp_amp.metrics.trackers import Trackers, start_trackers
+from ddp_amp.metrics.trackers import Trackers, start_trackers_on_rank_zero
 
 log = logging.getLogger(__name__)
 
@@ -314,16 +314,7 @@ class Session:
         in `run_dir` (a resume). Call `finish()` at the end (collective: a tracker that fails to
         start raises on every rank)."""
         self.ctx  # noqa: B018 - raises when not started
-        directory = Path(run_dir)
-        specs, config = list(specs), dict(config or {})
-
-        def start() -> None:
-            directory.mkdir(parents=True, exist_ok=True)
-            self._trackers = start_trackers(specs, directory, config, start_step, log.warning)
-
-        self._trackers = Trackers({}, log.warning)
-        on_rank_zero(start)
-        return self._trackers
+        return start_trackers_on_rank_zero(list(specs), Path(run_dir), dict(config or {}), start_step, log.warning)
 
     # -- checkpoints: the Trainer's commit protocol, manifest and RNG states -------------
 

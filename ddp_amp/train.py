@@ -22,12 +22,13 @@ from typing import Any
 
 from ddp_amp.amp import Precision, resolve_precision
 from ddp_amp.checkpoint import checkpoint_root, ensure_writable
-from ddp_amp.config import TrainConfig, config_toml, parse_command_line
+from ddp_amp.config import TrainConfig
+from ddp_amp.command_line import config_toml, parse_command_line
 from ddp_amp.dist import (DistContext, PeerFailureWatch, agreed_origin, init_distributed, on_every_rank,
                           publish_failure, published_failure, shutdown_distributed)
 from ddp_amp.env import detect_env
 from ddp_amp.errors import CheckpointError, TrainingHalted, UsageError
-from ddp_amp.guards import exit_code_for
+from ddp_amp.guards import EarlySignals, exit_code_for
 from ddp_amp.metrics import make_run_log
 from ddp_amp.tasks import Task
 from ddp_amp.trainer import build_trainer, prepare_task
@@ -108,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         config = command.config
         debug = debug or config.debug  # `debug = true` in a --config file
+        requeue_signals, stop_signals = config.signals()
+        EarlySignals(requeue_signals + stop_signals)  # until the loop's own watch takes over
         ctx = init_distributed(env, config.device, config.backend, config.dist_timeout)  # type: ignore[arg-type]
     except UsageError as error:
         if debug:

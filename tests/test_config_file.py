@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_amp.config import TrainConfig, config_toml, parse_config
+from ddp_amp.config import TrainConfig
+from ddp_amp.command_line import config_toml, parse_config
 from ddp_amp.config_file import dumps
 from ddp_amp.errors import UsageError
 from ddp_amp.train import main

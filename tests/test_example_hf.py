@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from ddp_amp import UsageError
-from ddp_amp.config import parse_config
+from ddp_amp.command_line import parse_config
 from tests.multiproc import run_train
 
 TASK = "examples.hf_causal_lm:make_task"

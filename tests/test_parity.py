@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from ddp_amp.config import parse_config
+from ddp_amp.command_line import parse_config
 from ddp_amp.dist import init_distributed
 from ddp_amp.env import detect_env
 from ddp_amp.metrics import QuietRunLog

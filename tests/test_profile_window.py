@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ddp_amp import DistContext, DistEnv, UsageError
-from ddp_amp.config import parse_config
+from ddp_amp.command_line import parse_config
 from ddp_amp.trainer import build_trainer
 
 

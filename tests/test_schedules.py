@@ -1,5 +1,5 @@
 """`Task.schedule_on`: a metric-driven scheduler stepped with the eval metric after each
-evaluation, and an epoch-wise one stepped once per pass over the data; both resume exactly."""
+evaluation, and an epoch-wise one stepped once per pass over the data, which resumes exactly."""
 
 from __future__ import annotations
 
@@ -30,21 +30,17 @@ def _final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / f"step-{step:08d}" / "model.pt", weights_only=True)
 
 
-def test_a_plateau_schedule_follows_the_eval_metric_and_resumes_exactly(tmp_path: Path) -> None:
-    straight, halves = tmp_path / "straight", tmp_path / "halves"
-    result = _run("eval", straight, 16, 2)
+def test_a_plateau_schedule_follows_the_eval_metric_on_two_ranks(tmp_path: Path) -> None:
+    # Its resume (the scheduler's state and the LR across plateau drops, bit for bit) is
+    # tests/test_example_word_lm.py's: the word-level LSTM stops and resumes past two drops.
+    result = _run("eval", tmp_path, 16, 2)
     assert result.returncode == 0, result.stderr[-2000:]
-    lrs = _lrs(straight)
+    lrs = _lrs(tmp_path)
     # A 10% improvement is needed at each evaluation (every 4 steps); the LR only ever
     # halves, and only on an evaluation step, where the plateau was reached.
     changes = [step for step in range(2, 17) if lrs[step] != lrs[step - 1]]
     assert changes and all(step % 4 == 0 for step in changes), lrs
     assert all(lrs[s] in (LR * 0.5 ** k for k in range(5)) for s in lrs) and lrs[16] < LR
-    assert _run("eval", halves, 8, 2).returncode == 0
-    assert _run("eval", halves, 16, 2).returncode == 0
-    assert _lrs(halves) == lrs
-    a, b = _final_weights(straight, 16), _final_weights(halves, 16)
-    assert all(torch.equal(a[name], b[name]) for name in a)
 
 
 def test_an_epoch_schedule_steps_once_per_pass_and_resumes_exactly(tmp_path: Path) -> None:

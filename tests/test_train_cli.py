@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_amp.config import TrainConfig, build_parser, parse_config
+from ddp_amp.config import TrainConfig
+from ddp_amp.command_line import build_parser, parse_config
 from ddp_amp.errors import UsageError
 from ddp_amp.train import main
 from tests.multiproc import cli_env, run_train

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from ddp_amp.config import TrainConfig, parse_config
+from ddp_amp.config import TrainConfig
+from ddp_amp.command_line import parse_config
 from ddp_amp.dist import DistContext, init_distributed
 from ddp_amp.env import detect_env
 from ddp_amp.errors import UsageError

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_amp.config import TrainConfig, flag_of, parse_config
+from ddp_amp.config import TrainConfig, flag_of
+from ddp_amp.command_line import parse_config
 from ddp_amp.errors import UsageError
 from ddp_amp.train import main
 from tests.multiproc import run_train

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from ddp_amp.dist import on_rank_zero
 from ddp_amp.durable import write_atomic
 from ddp_amp.errors import UsageError
 
@@ -228,3 +229,18 @@ def start_trackers(specs: list[str], run_dir: Path, config: dict[str, Any], star
         raise
     write_atomic(path, json.dumps({**saved, **identities}, indent=2).encode())
     return Trackers(started, warn)
+
+
+def start_trackers_on_rank_zero(specs: list[str], run_dir: Path, config: dict[str, Any], start_step: int,
+                                warn: Callable[[str], None]) -> Trackers:
+    """`start_trackers` on rank 0, which makes `run_dir` if needed; the other ranks get an empty
+    set (collective: a tracker that fails to start raises on every rank)."""
+    started = Trackers({}, warn)
+
+    def start() -> None:
+        nonlocal started
+        run_dir.mkdir(parents=True, exist_ok=True)
+        started = start_trackers(specs, run_dir, config, start_step, warn)
+
+    on_rank_zero(start)
+    return started

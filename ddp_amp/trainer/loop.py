@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import IterableDataset
 
@@ -34,11 +33,11 @@ from ddp_amp.errors import UsageError
 from ddp_amp.guards import PreemptionWatch, RunWatch, stop_for_preemption, worker_ignores
 from ddp_amp.metrics import RunLog, counting_flops, peak_memory_mb, throughput_fields
 from ddp_amp.tasks import Task
-from ddp_amp.trainer.checkpointing import (MODEL_FILE, TrainingParts, load_training_state, run_meta,
-                                          scale_learning_rates, training_files)
+from ddp_amp.trainer.checkpointing import MODEL_FILE, TrainingParts, load_training_state, scale_learning_rates
 from ddp_amp.trainer.batch_loss import BatchLoss
 from ddp_amp.trainer.best import BestKeeper
 from ddp_amp.trainer.evaluation import evaluate
+from ddp_amp.trainer.saving import CheckpointSaves
 from ddp_amp.trainer.schedules import SchedulerDriver
 from ddp_amp.trainer.optimizers import make_optimizers
 from ddp_amp.trainer.profiling import ProfileWindow, parse_window
@@ -53,7 +52,7 @@ _RECORD_FIELDS = frozenset({"step", "epoch", "loss", "lr", "loss_scale", "skippe
                             "step_time", "peak_mem_mb", "tokens_per_s", "tflops", "mfu", "mem_mb"})
 
 
-class Trainer:
+class Trainer(CheckpointSaves):
     """Builds DDP(AutocastModule(model)), optimizer, scaler and data for one rank, and trains."""
 
     def __init__(self, config: TrainConfig, task: Task, ctx: DistContext, precision: Precision,
@@ -328,104 +327,6 @@ class Trainer:
     def _parts(self) -> TrainingParts:
         return TrainingParts(unwrap_model(self.model), self.optimizers, self.scaler, self.scheduler,
                              self.stream, self.device, self.task.state)
-
-    def save_checkpoint(self) -> Path | None:
-        """Commit a checkpoint of the current step (collective: call on every rank).
-
-        Returns the checkpoint directory on every rank, or None on every rank if the write
-        failed (the reason is in `self.checkpoint_error`; older checkpoints are untouched)
-        or checkpointing is off. Saving the same step twice writes it once. A save still
-        being written in the background is waited for first; if that one failed, its
-        failure is this call's.
-        """
-        root = self._save_root()
-        if root is None:
-            return None
-        if self._saved_step == self.step:
-            return root / checkpoint.step_dir_name(self.step)
-        started = time.perf_counter()
-        files, meta = self._state_to_save()
-        result = checkpoint.save_checkpoint(root, self.step, files, meta, self.device, self.ctx.world_size,
-                                            self.config.keep_last)
-        return self._learn_outcome(self.step, result.path, result.error, time.perf_counter() - started)
-
-    def _cadence_checkpoint(self) -> None:
-        """The --ckpt-every save: in the background under --async-checkpoint (collective)."""
-        if self.config.async_checkpoint:
-            self.start_checkpoint()
-        else:
-            self._checkpoint_or_raise()
-
-    def start_checkpoint(self) -> None:
-        """Start a checkpoint of the current step that rank 0 writes in the background (collective).
-
-        Returns once the state is gathered and copied into host memory; the next save, or
-        `wait_for_checkpoint`, learns how the write ended. The save before it is waited for
-        first: if that one failed, its CheckpointError is raised here, on every rank.
-        """
-        started = time.perf_counter()  # the stall logged includes waiting for the previous write
-        root = self._save_root()
-        if root is None:
-            if self.checkpoint_error is not None:  # the previous background write failed
-                raise mark_agreed(self.checkpoint_error, 0)
-            return
-        if self._saved_step == self.step:  # --keep-best saved this step already
-            return
-        files, meta = self._state_to_save()
-        self.background.start(root, self.step, files, meta, self.device, self.ctx.world_size, self.config.keep_last)
-        self.run_log.info(f"checkpoint {checkpoint.step_dir_name(self.step)} started in the background "
-                          f"(stall {time.perf_counter() - started:.2f} s)")
-
-    def wait_for_checkpoint(self) -> Path | None:
-        """Wait for the background save in flight, if any (collective); `last_checkpoint` then,
-        or None on every rank if that save failed (the reason in `checkpoint_error`)."""
-        if self.checkpoint_root is None:
-            return None
-        finished = self.background.wait()
-        if finished is not None:
-            return self._learn_outcome(finished.step, finished.path, finished.error, finished.write_s,
-                                       how=" in the background")
-        return self.last_checkpoint
-
-    def _save_root(self) -> Path | None:
-        """What every save does first (collective): the directory to save into, or None where
-        checkpointing is off or the save in flight in the background failed (its error is
-        then in `checkpoint_error`)."""
-        if self.schedule is not None:
-            self.schedule.before_checkpoint()
-        if self.checkpoint_root is None:
-            return None
-        if self.background.in_flight is not None and self.wait_for_checkpoint() is None:
-            return None
-        return self.checkpoint_root
-
-    def _state_to_save(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The current step's files and meta.json description, once it is known finite (collective)."""
-        self.watch.before_checkpoint(self.step, self._resume_hint())
-        meta = run_meta(self.config.to_dict(), self._parts(), self.precision.name, self.step)
-        return training_files(self._parts(), self.step, self.samples_seen), meta
-
-    def _learn_outcome(self, step: int, path: Path | None, error: checkpoint.CheckpointError | None,
-                       seconds: float, how: str = "") -> Path | None:
-        """Record a save's outcome, the same on every rank: `last_checkpoint` names only committed ones."""
-        self.checkpoint_error = error
-        if path is None:
-            self.run_log.info(f"checkpoint at step {step} failed: {error}")
-            return None
-        self._saved_step, self.last_checkpoint = step, path
-        self.run_log.info(f"saved checkpoint {path} ({seconds:.2f} s{how})")
-        return path
-
-    def _resume_hint(self) -> str:
-        if self.last_checkpoint is None:
-            return "no checkpoint of this run holds a finite state yet: start again (--resume none)"
-        return f"resume from {self.last_checkpoint}, the newest finite checkpoint (--resume auto picks it)"
-
-    def _checkpoint_or_raise(self) -> Path | None:
-        path = self.save_checkpoint()
-        if path is None and self.checkpoint_error is not None:
-            raise mark_agreed(self.checkpoint_error, 0)  # the same SaveResult on every rank
-        return path
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore model, optimizer, scaler, scheduler, counters, data position and this

@@ -1,0 +1,174 @@
+"""The command line of `python -m ddp_amp.train`: an argparse parser built from `TrainConfig`'s
+fields (so an option cannot exist without its help text), every parse failure turned into a
+one-line `UsageError`, and `--config run.toml` merged under the flags (`config_file` reads
+and writes the TOML); `--print-config` shows the result as such a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from ddp_amp.config import TrainConfig, flag_of
+from ddp_amp.config_file import dumps, read_options
+from ddp_amp.errors import UsageError
+
+
+RESUME_HELP = ("On resume every setting is compared with the one the checkpoint was saved with. "
+               "Those marked [must match on resume] are refused when they differ (list the ones "
+               "you change knowingly in --allow-change); --precision follows the AMP rules (a "
+               "fresh or ignored loss scaler, with a notice); every other setting takes its new "
+               "value with a notice (--lr rescales the restored optimizer's learning rates).")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises a one-line UsageError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments: "):
+            unknown = message.split(": ", 1)[1].split()[0]
+            flags = [a for action in self._actions for a in action.option_strings]
+            close = difflib.get_close_matches(unknown.split("=")[0], flags, n=1)
+            hint = f"did you mean {close[0]}?" if close else "see --help"
+            raise UsageError("option", unknown, "a known option", hint)
+        bad_value = re.match(r"argument (\S+?)(?:/\S+)?: invalid (\w+) value: '(.*)'", message)
+        if bad_value:
+            flag, kind, value = bad_value.groups()
+            raise UsageError(flag, value, f"a value of type {kind}", "see --help")
+        raise UsageError("arguments", " ".join(self.last_argv), "valid options", message)
+
+    last_argv: list[str] = []
+
+
+CONFIG_FILE_HELP = ("Options can also come from a TOML file: --config PATH, whose keys are the "
+                    "option names below without -- (max_steps or max-steps); flags given here "
+                    "override the file. --print-config prints the resolved options as TOML and exits.")
+
+
+def build_parser(prog: str = "python -m ddp_amp.train") -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, description="Train with DDP + automatic mixed precision. "
+                     "Launch with python, torchrun or srun; the launcher is detected. " + CONFIG_FILE_HELP,
+                     epilog=RESUME_HELP, allow_abbrev=False)
+    for f in dataclasses.fields(TrainConfig):
+        flag, help_text = flag_of(f.name), f.metadata["help"]
+        if f.metadata["resume"] == "match":
+            help_text += " [must match on resume]"
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", help=help_text)
+        elif f.name == "task_opt":
+            parser.add_argument(flag, action="append", default=[], metavar="KEY=VALUE", help=help_text)
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            parser.add_argument(flag, type=kind, default=f.default, help=help_text + f" (default: {f.default})",
+                                metavar=f.name.upper())
+    return parser
+
+
+@dataclass(frozen=True)
+class CommandLine:
+    """What a command line asks for: the run's config, and the two launch options that are
+    not part of it. They stay out of TrainConfig (and so out of config.json and the resume
+    comparison): the same values from flags or from a file are the same run."""
+
+    config: TrainConfig
+    config_file: str | None = None
+    print_config: bool = False
+
+
+def parse_config(argv: list[str]) -> TrainConfig:
+    """Parse command-line options (and a `--config` file) into a TrainConfig.
+
+    Raises UsageError on bad input. `--print-config` is accepted and left to the caller
+    (see `parse_command_line`).
+    """
+    return parse_command_line(argv).config
+
+
+def parse_command_line(argv: list[str]) -> CommandLine:
+    """Resolve the options: field defaults, then the `--config` file's values, then flags.
+
+    The three layers are merged as values, a later layer replacing an option whole, and
+    the result goes through the one check path a flag-only launch uses (`_checked_config`:
+    choices, then TrainConfig's own checks), so a value is refused alike from a file or a
+    flag. Merging values, rather than turning the file into flags before the command line's
+    or into parser defaults, is what keeps "flags override" true for `--task-opt`: its
+    append action would add the flags' items to the file's list instead of replacing it.
+    A file value is type-checked by `read_options`; its TOML type stands in for argparse's
+    conversion of a flag's text.
+    """
+    _Parser.last_argv = list(argv)
+    launch, flags = _launch_parser().parse_known_args(argv)
+    from_file = read_options(launch.config, option_kinds()) if launch.config is not None else {}
+    given = _given_flags(flags)
+    try:
+        config = _checked_config({**field_defaults(), **from_file, **given})
+    except UsageError as error:
+        raise _blame_file(error, launch.config, from_file.keys() - given.keys()) from error
+    return CommandLine(config, launch.config, launch.print_config)
+
+
+def _launch_parser() -> argparse.ArgumentParser:
+    # Separate from build_parser, whose options are exactly TrainConfig's fields.
+    parser = _Parser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--print-config", action="store_true")
+    return parser
+
+
+def _given_flags(flags: list[str]) -> dict[str, Any]:
+    """Only the options these flags set: every default is suppressed, so an option the
+    command line leaves out does not hide the file's value with the field's default."""
+    parser = build_parser()
+    for action in parser._actions:  # not set_defaults: it would put SUPPRESS in the namespace
+        action.default = argparse.SUPPRESS
+    return vars(parser.parse_args(flags))
+
+
+def _checked_config(values: dict[str, Any]) -> TrainConfig:
+    for f in dataclasses.fields(TrainConfig):
+        choices = f.metadata.get("choices")
+        if choices and values[f.name] not in choices:
+            raise UsageError(flag_of(f.name), values[f.name], "one of " + ", ".join(choices),
+                             f"see {flag_of(f.name)} in --help")
+    values["task_opt"] = tuple(values["task_opt"])
+    return TrainConfig(**values)
+
+
+def _blame_file(error: UsageError, path: str | None, file_only: set[str]) -> UsageError:
+    """`error` naming the file's key instead of the flag, where the bad value came from the
+    file (a user who never typed `--precision` should be told where it was set)."""
+    name = error.what.removeprefix("--").replace("-", "_")
+    if not error.what.startswith("--") or name not in file_only:
+        return error
+    return UsageError(f"{path}: {name}", error.value, error.expected, error.hint)
+
+
+def field_defaults() -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+
+# A field's annotation (a string, under `from __future__ import annotations`) -> the value
+# kind its config-file key takes.
+_FILE_KINDS: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str, "tuple[str, ...]": tuple}
+
+
+def option_kinds() -> dict[str, type]:
+    """Every option a config file may set, by field name, with its value kind."""
+    return {f.name: _FILE_KINDS[str(f.type)] for f in dataclasses.fields(TrainConfig)}
+
+
+def config_toml(config: TrainConfig) -> str:
+    """`config` as a TOML file that `--config` resolves to an equal TrainConfig.
+
+    Every field is written, the launch-only ones (run_dir, run_name, resume, debug, ...)
+    too: a field left out would resolve to its default, so the file would not reproduce
+    this config. Reusing the file for another run means editing those, or overriding them
+    with flags.
+    """
+    header = ["ddp_amp run configuration: python -m ddp_amp.train --config THIS_FILE",
+              "keys are the options of --help without -- (max_steps is --max-steps); flags override them"]
+    return dumps(config.to_dict(), header)
