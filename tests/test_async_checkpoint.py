@@ -137,3 +137,20 @@ def test_failed_background_write_stops_every_rank_like_a_failed_save(tmp_path: P
     assert "checkpoint step-00000002 started in the background" in out, out[-3000:]
     assert "checkpoint at step 2 failed" in out, out[-3000:]
     assert list((tmp_path / "checkpoints").iterdir()) == []  # nothing committed, no scratch left
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_host_copy_goes_through_pinned_buffers_reused_across_saves() -> None:
+    from ddp_amp.checkpoint.staging import HostStaging
+
+    staging = HostStaging()
+    weight = torch.randn(64, 64, device="cuda")
+    state = {"model": {"weight": weight, "tied": weight}, "step": 3}
+    first = staging.copy(state)
+    assert first["model"]["weight"].device.type == "cpu" and first["model"]["weight"].is_pinned()
+    assert torch.equal(first["model"]["weight"], weight.cpu()) and first["model"]["tied"] is first["model"]["weight"]
+    weight.add_(1.0)  # the next step changes the live tensor: the copy must not follow it...
+    assert not torch.equal(first["model"]["weight"], weight.cpu())
+    second = staging.copy(state)  # ...until the next save, which reuses the same pinned memory
+    assert second["model"]["weight"].data_ptr() == first["model"]["weight"].data_ptr()
+    assert torch.equal(second["model"]["weight"], weight.cpu()) and second["step"] == 3
