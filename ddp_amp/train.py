@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     rank = 0
+    early: EarlySignals | None = None
     try:
         env = detect_env(os.environ)
         rank = env.rank
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         config = command.config
         debug = debug or config.debug  # `debug = true` in a --config file
         requeue_signals, stop_signals = config.signals()
-        EarlySignals(requeue_signals + stop_signals)  # until the loop's own watch takes over
+        early = EarlySignals(requeue_signals + stop_signals)  # until the loop's own watch takes over
         ctx = init_distributed(env, config.device, config.backend, config.dist_timeout)  # type: ignore[arg-type]
     except UsageError as error:
         if debug:
@@ -129,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         watch.stop()
         shutdown_distributed()
+        early.ignore_from_now()  # nothing is left to save: a late warning must not kill the exit
 
 
 def _report(error: Exception, ctx: DistContext, debug: bool) -> int:

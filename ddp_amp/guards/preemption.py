@@ -76,6 +76,7 @@ class EarlySignals:
     instead of checkpointing. `PreemptionWatch.install` takes over what it caught."""
 
     def __init__(self, signums: tuple[signal.Signals, ...]) -> None:
+        self.signums = signums
         self.received: signal.Signals | None = None
         self.received_at = 0.0
         if threading.current_thread() is threading.main_thread():
@@ -85,6 +86,14 @@ class EarlySignals:
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
             self.received, self.received_at = signal.Signals(signum), time.monotonic()
+
+    def ignore_from_now(self) -> None:
+        """For a process about to exit, its run finished or stopped: Python's shutdown resets
+        its own handlers to the default action, so a warning landing then (SLURM repeats them)
+        would kill the process and turn its exit code into a signal; ignored, it cannot."""
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signums:
+                signal.signal(signum, signal.SIG_IGN)
 
 
 class PreemptionWatch:
