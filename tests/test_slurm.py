@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -154,18 +155,31 @@ def test_multi_node_template_preempted_stops_quietly(slurm_cluster: Cluster, tmp
     assert len(stops) == 1 and stops[0]["requeued"], stops
 
 
-def test_a_time_limited_job_finishes_over_several_windows(slurm_cluster: Cluster, tmp_path: Path) -> None:
+@pytest.fixture(scope="module", autouse=True)
+def time_limited_job(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """The time-limited job of the last test, submitted before this module's first test: its
+    windows are set by slurmctld's clock (about 80 s of mostly waiting), so it runs beside the
+    other tests' jobs (the nodes declare far more CPUs than the jobs ask for)."""
+    tmp_path = tmp_path_factory.mktemp("time_limited")
+    steps = 2000  # x 20 ms per step
+    args = ["--task", "tests.plugins.paced_task:make_task", "--device", "cpu", "--max-steps", str(steps),
+            "--log-every", "100", "--preempt-check-s", "0.2"]
+    job = sbatch(slurm_cluster, REPO_ROOT / "slurm" / "one_node.sbatch",
+                 ["--gpus-per-node=0", "--ntasks-per-node=2", "--time=1", "--signal=USR1@50"], args, tmp_path)
+    yield job, tmp_path
+    subprocess.run(["scancel", job], env=slurm_cluster.env(), timeout=30)  # where the test did not run
+
+
+def test_a_time_limited_job_finishes_over_several_windows(slurm_cluster: Cluster,
+                                                           time_limited_job: tuple[str, Path]) -> None:
     """`--time=1` and the template's USR1 warning, 50 s ahead of the limit, for work of about
     40 s of steps: each warning checkpoints and requeues, every window starts at the step the
     last one stopped at (no step is lost or done twice), and the job ends COMPLETED, not TIMEOUT.
 
     slurmctld checks time limits every 30 s, so the warning lands 10-40 s into a window and
     the work always needs a second one."""
-    steps = 2000  # x 20 ms per step
-    args = ["--task", "tests.plugins.paced_task:make_task", "--device", "cpu", "--max-steps", str(steps),
-            "--log-every", "100", "--preempt-check-s", "0.2"]
-    job = sbatch(slurm_cluster, REPO_ROOT / "slurm" / "one_node.sbatch",
-                 ["--gpus-per-node=0", "--ntasks-per-node=2", "--time=1", "--signal=USR1@50"], args, tmp_path)
+    job, tmp_path = time_limited_job
+    steps = 2000
     info = wait_job(slurm_cluster, job, timeout=480)
     out = job_output(tmp_path)
     assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, (info, out)
