@@ -95,7 +95,10 @@ def _train_in(run_dir: Path, plan: ResumePlan, config: TrainConfig, ctx: DistCon
         run_log.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, exiting: bool = False) -> int:
+    """Train as the command line says; the exit code. `exiting`: the process ends right after
+    (`python -m ddp_amp.train`), so late preemption signals are ignored once the run is over;
+    a caller that goes on (a test, a notebook) keeps its own signal handling."""
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
     rank = 0
@@ -114,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         early = EarlySignals(requeue_signals + stop_signals)  # until the loop's own watch takes over
         ctx = init_distributed(env, config.device, config.backend, config.dist_timeout)  # type: ignore[arg-type]
     except UsageError as error:
+        if early is not None:
+            early.restore()
         if debug:
             raise
         if rank == 0:  # every rank read the same input: one line is enough
@@ -130,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         watch.stop()
         shutdown_distributed()
-        early.ignore_from_now()  # nothing is left to save: a late warning must not kill the exit
+        if exiting:  # nothing is left to save: a late warning must not kill the exit
+            early.ignore_from_now()
+        else:
+            early.restore()
 
 
 def _report(error: Exception, ctx: DistContext, debug: bool) -> int:
@@ -173,4 +181,4 @@ def _failure_line(error: Exception, origin: int) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(exiting=True))

@@ -189,16 +189,19 @@ def test_a_signal_during_start_up_is_kept_for_the_loop_instead_of_killing_the_pr
 
 def test_a_warning_that_lands_as_a_finished_run_exits_does_not_kill_it(tmp_path: Path) -> None:
     # Python's shutdown puts its handlers back to the default action (death, for USR1); a
-    # SLURM warning landing then turned a finished job's exit code 0 into a kill.
-    # What the shutdown would leave for the warning must be "ignore", not a Python handler.
+    # SLURM warning landing then turned a finished job's exit code 0 into a kill. What the
+    # shutdown leaves must be "ignore" where the process exits (python -m ddp_amp.train), and
+    # untouched where the caller goes on.
     script = ("import signal, sys\n"
               "from ddp_amp.train import main\n"
-              "code = main(sys.argv[1:])\n"
-              "print('after main:', signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)\n"
+              "args = sys.argv[1:]\n"
+              "main([*args, '--run-dir', 'run-a'])\n"
+              "print('caller goes on:', signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL)\n"
+              "code = main([*args, '--run-dir', 'run-b'], exiting=True)\n"
+              "print('process exits:', signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)\n"
               "sys.exit(code)\n")
     result = subprocess.run([sys.executable, "-c", script, "--task", "mlp", "--device", "cpu", "--max-steps", "2",
-                             "--task-opt", "hidden=8", "--task-opt", "samples=64", "--batch-size", "8",
-                             "--run-dir", str(tmp_path)], capture_output=True, text=True, env=cli_env(),
-                            cwd=REPO_ROOT, timeout=120)
+                             "--task-opt", "hidden=8", "--task-opt", "samples=64", "--batch-size", "8"],
+                            capture_output=True, text=True, env=cli_env(), cwd=tmp_path, timeout=120)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
-    assert "after main: True" in result.stdout and (tmp_path / "summary.json").exists()
+    assert "caller goes on: True" in result.stdout and "process exits: True" in result.stdout, result.stdout

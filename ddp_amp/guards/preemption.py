@@ -79,21 +79,29 @@ class EarlySignals:
         self.signums = signums
         self.received: signal.Signals | None = None
         self.received_at = 0.0
+        self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for signum in signums:
-                signal.signal(signum, self.on_signal)
+                self._previous[signum] = signal.signal(signum, self.on_signal)
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
             self.received, self.received_at = signal.Signals(signum), time.monotonic()
 
+    def restore(self) -> None:
+        """Give the signals back to the handlers they had before (a caller that goes on)."""
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
     def ignore_from_now(self) -> None:
         """For a process about to exit, its run finished or stopped: Python's shutdown resets
         its own handlers to the default action, so a warning landing then (SLURM repeats them)
         would kill the process and turn its exit code into a signal; ignored, it cannot."""
-        if threading.current_thread() is threading.main_thread():
+        if self._previous:
             for signum in self.signums:
                 signal.signal(signum, signal.SIG_IGN)
+            self._previous.clear()
 
 
 class PreemptionWatch:
