@@ -9,15 +9,48 @@ or all of them behind one object for your own loop: `with ddp_amp.Session() as s
 The CLI (`python -m ddp_amp.train`) is built on the same public pieces.
 """
 
-from ddp_amp.amp import (AgreedGradScaler, AutocastModule, Precision, StepResult, resolve_precision,
-                         unwrap_model)
-from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistContext, distributed, init_distributed, shutdown_distributed
-from ddp_amp.env import DistEnv, detect_env
-from ddp_amp.errors import UsageError
-from ddp_amp.session import Session
-from ddp_amp.tasks import LoaderRequest, Task, load_task
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ddp_amp.version import __version__
+
+# Where each public name lives, imported on first use: `python -m ddp_amp.train` imports this
+# package before its own first line, and it must get to hold the preemption signals before
+# torch's import (seconds) can be interrupted by one (ddp_amp/startup_signals.py).
+_PUBLIC = {
+    "AgreedGradScaler": "ddp_amp.amp", "AutocastModule": "ddp_amp.amp", "Precision": "ddp_amp.amp",
+    "StepResult": "ddp_amp.amp", "resolve_precision": "ddp_amp.amp", "unwrap_model": "ddp_amp.amp",
+    "TrainConfig": "ddp_amp.config",
+    "DistContext": "ddp_amp.dist", "distributed": "ddp_amp.dist", "init_distributed": "ddp_amp.dist",
+    "shutdown_distributed": "ddp_amp.dist",
+    "DistEnv": "ddp_amp.env", "detect_env": "ddp_amp.env",
+    "UsageError": "ddp_amp.errors",
+    "Session": "ddp_amp.session",
+    "LoaderRequest": "ddp_amp.tasks", "Task": "ddp_amp.tasks", "load_task": "ddp_amp.tasks",
+}
+
+if TYPE_CHECKING:  # what type checkers and editors see: the same names, imported
+    from ddp_amp.amp import (AgreedGradScaler, AutocastModule, Precision, StepResult, resolve_precision,
+                             unwrap_model)
+    from ddp_amp.config import TrainConfig
+    from ddp_amp.dist import DistContext, distributed, init_distributed, shutdown_distributed
+    from ddp_amp.env import DistEnv, detect_env
+    from ddp_amp.errors import UsageError
+    from ddp_amp.session import Session
+    from ddp_amp.tasks import LoaderRequest, Task, load_task
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'ddp_amp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "AgreedGradScaler",

@@ -16,9 +16,16 @@ kept); 75 stopped by a requeue signal with the checkpoint committed (requeued un
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
+
+from ddp_amp.startup_signals import EarlySignals
+
+# Before the imports below (torch's takes seconds): a SLURM warning can land this early, and
+# would end the process. The options' own signals take over in main() once they are read.
+_STARTUP = EarlySignals((signal.SIGUSR1, signal.SIGTERM)) if __name__ == "__main__" else None
 
 from ddp_amp.amp import Precision, resolve_precision
 from ddp_amp.checkpoint import checkpoint_root, ensure_writable
@@ -28,7 +35,7 @@ from ddp_amp.dist import (DistContext, PeerFailureWatch, agreed_origin, init_dis
                           publish_failure, published_failure, shutdown_distributed)
 from ddp_amp.env import detect_env
 from ddp_amp.errors import CheckpointError, TrainingHalted, UsageError
-from ddp_amp.guards import EarlySignals, exit_code_for
+from ddp_amp.guards import exit_code_for
 from ddp_amp.metrics import make_run_log
 from ddp_amp.tasks import Task
 from ddp_amp.trainer import build_trainer, prepare_task
@@ -115,6 +122,8 @@ def main(argv: list[str] | None = None, exiting: bool = False) -> int:
         debug = debug or config.debug  # `debug = true` in a --config file
         requeue_signals, stop_signals = config.signals()
         early = EarlySignals(requeue_signals + stop_signals)  # until the loop's own watch takes over
+        if _STARTUP is not None:
+            _STARTUP.restore()  # what the options do not name goes back to its default
         ctx = init_distributed(env, config.device, config.backend, config.dist_timeout)  # type: ignore[arg-type]
     except UsageError as error:
         if early is not None:

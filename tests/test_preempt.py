@@ -205,3 +205,12 @@ def test_a_warning_that_lands_as_a_finished_run_exits_does_not_kill_it(tmp_path:
                             capture_output=True, text=True, env=cli_env(), cwd=tmp_path, timeout=120)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert "caller goes on: True" in result.stdout and "process exits: True" in result.stdout, result.stdout
+
+
+def test_the_cli_holds_preemption_signals_before_it_imports_torch() -> None:
+    # SLURM may send its warning up to a minute early: with a short time limit it can land
+    # while torch is still being imported, which takes seconds.
+    order = subprocess.run([sys.executable, "-X", "importtime", "-m", "ddp_amp.train", "--help"], capture_output=True,
+                           text=True, env=cli_env(), cwd=REPO_ROOT, timeout=120).stderr.splitlines()
+    names = [line.rsplit("|", 1)[-1].strip() for line in order if line.startswith("import time:")]
+    assert names.index("ddp_amp.startup_signals") < names.index("torch")

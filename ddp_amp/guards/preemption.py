@@ -32,6 +32,7 @@ import torch
 
 from ddp_amp.dist import all_reduce_, on_rank_zero
 from ddp_amp.errors import UsageError
+from ddp_amp.startup_signals import EarlySignals
 
 log = logging.getLogger(__name__)
 
@@ -67,41 +68,6 @@ def worker_ignores(signums: tuple[signal.Signals, ...]) -> functools.partial[Non
     USR1/TERM would make the main process fail before it can checkpoint.
     """
     return functools.partial(_ignore, tuple(int(s) for s in signums))
-
-
-class EarlySignals:
-    """Flags the preemption signals from the moment the command line is read, before the
-    process group, the task and the model are built: a SLURM warning that lands during a
-    slow start would otherwise kill the process (the default action of USR1 and TERM)
-    instead of checkpointing. `PreemptionWatch.install` takes over what it caught."""
-
-    def __init__(self, signums: tuple[signal.Signals, ...]) -> None:
-        self.signums = signums
-        self.received: signal.Signals | None = None
-        self.received_at = 0.0
-        self._previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for signum in signums:
-                self._previous[signum] = signal.signal(signum, self.on_signal)
-
-    def on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is None:
-            self.received, self.received_at = signal.Signals(signum), time.monotonic()
-
-    def restore(self) -> None:
-        """Give the signals back to the handlers they had before (a caller that goes on)."""
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        self._previous.clear()
-
-    def ignore_from_now(self) -> None:
-        """For a process about to exit, its run finished or stopped: Python's shutdown resets
-        its own handlers to the default action, so a warning landing then (SLURM repeats them)
-        would kill the process and turn its exit code into a signal; ignored, it cannot."""
-        if self._previous:
-            for signum in self.signums:
-                signal.signal(signum, signal.SIG_IGN)
-            self._previous.clear()
 
 
 class PreemptionWatch:
