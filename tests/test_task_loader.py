@@ -40,7 +40,8 @@ def test_each_pass_is_shuffled_afresh_and_a_position_resumes_mid_pass() -> None:
 def test_a_loader_without_a_position_is_refused_in_one_line() -> None:
     task = own_loader_task.plain_loader(None)  # type: ignore[arg-type]
     with pytest.raises(UsageError) as refused:
-        task_loader_stream(task, ONE_PROCESS, torch.device("cpu"), 8, 0, 0, lambda worker: None)
+        task_loader_stream(task.make_loader, task.schedule_on, ONE_PROCESS, torch.device("cpu"), 8, 0, 0,
+                           lambda worker: None)
     assert "DataLoader" in str(refused.value) and "StatefulDataLoader" in str(refused.value)
     assert "\n" not in str(refused.value)
 

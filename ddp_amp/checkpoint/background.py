@@ -72,11 +72,12 @@ class _Write:
 
     def result(self) -> tuple[str | None, CheckpointError | None, float]:
         """Rank 0: wait for the thread; its (path, disk failure, seconds), or its error raised."""
-        assert self.thread is not None, "rank 0 starts a thread for every write"
-        self.thread.join()
+        if self.thread is not None:
+            self.thread.join()
         if self.error is not None:
             raise self.error
-        assert self.outcome is not None
+        if self.outcome is None:  # staging failed before a thread started: start() raised then
+            raise RuntimeError(f"checkpoint step {self.step}: no writer ran, so there is no outcome to learn")
         return (*self.outcome, self.seconds)
 
 

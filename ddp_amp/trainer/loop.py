@@ -92,7 +92,8 @@ class Trainer(CheckpointSaves):
         micro_batch_size = config.micro_batch_size(ctx.world_size)
         if task.make_loader is not None:  # the task's own loader, sharded by the task
             self.stream: BatchStream | LoaderStream = task_loader_stream(
-                task, ctx, self.device, micro_batch_size, config.num_workers, config.seed, worker_ignores(signums))
+                task.make_loader, task.schedule_on, ctx, self.device, micro_batch_size, config.num_workers,
+                config.seed, worker_ignores(signums))
         elif isinstance(task.train_data, IterableDataset):  # a stream: sharded by striding, resumed by replay
             self.stream = iterable_stream(task.train_data, micro_batch_size, ctx.rank, ctx.world_size, self.device,
                                           config.num_workers, collate_fn=collate, worker_init_fn=worker_ignores(signums))

@@ -15,24 +15,25 @@ import torch
 
 from ddp_amp.dist import DistContext, all_gather_objects
 from ddp_amp.errors import UsageError
-from ddp_amp.tasks import LoaderRequest, Task
+from ddp_amp.tasks import LoaderFactory, LoaderRequest
 from ddp_amp.trainer.loader_stream import LoaderStream, loader_length
 
 
-def task_loader_stream(task: Task, ctx: DistContext, device: torch.device, micro_batch_size: int,
-                       num_workers: int, seed: int, worker_init_fn: Callable[[int], None]) -> LoaderStream:
-    """This rank's stream over `task.make_loader`'s loader (collective: lengths are gathered)."""
-    assert task.make_loader is not None
+def task_loader_stream(make_loader: LoaderFactory, schedule_on: str, ctx: DistContext, device: torch.device,
+                       micro_batch_size: int, num_workers: int, seed: int,
+                       worker_init_fn: Callable[[int], None]) -> LoaderStream:
+    """This rank's stream over the loader `make_loader` (a task's) builds, for a schedule that
+    steps on `schedule_on` (collective: lengths are gathered)."""
     request = LoaderRequest(rank=ctx.rank, world_size=ctx.world_size, micro_batch_size=micro_batch_size,
                             num_workers=num_workers, seed=seed, device=device, worker_init_fn=worker_init_fn)
-    loader = task.make_loader(request)
+    loader = make_loader(request)
     if not all(callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict", "__iter__")):
         raise UsageError("Task.make_loader", f"a {type(loader).__name__}",
                          "an iterable loader with state_dict() and load_state_dict(), so a resume restores its position",
                          "build torchdata.stateful_dataloader.StatefulDataLoader(...) where you built a DataLoader")
     lengths = all_gather_objects(loader_length(loader)) if ctx.world_size > 1 else [loader_length(loader)]
     same = lengths[0] if lengths[0] is not None and len(set(lengths)) == 1 else None
-    if task.schedule_on == "epoch" and same is None:
+    if schedule_on == "epoch" and same is None:
         raise UsageError("Task.schedule_on", "epoch", "loaders of one known length on every rank "
                          f"(batches per pass: {', '.join(str(n) for n in lengths)})",
                          "shard with DistributedSampler(drop_last=True) and a DataLoader(drop_last=True), "
