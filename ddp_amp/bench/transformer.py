@@ -22,12 +22,11 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from ddp_amp.amp import Precision, resolve_precision
 from ddp_amp.bench.gpt import CPU_SHAPE, GPTShape, next_token_loss, seeded_gpt, token_batches
 from ddp_amp.bench.overhead import trainer_on_batches
-from ddp_amp.metrics.peaks import dense_peak_tflops
+from ddp_amp.metrics.throughput import counting_flops, utilization
 from ddp_amp.bench.recipe import HandLoop
 from ddp_amp.bench.stats import interleave, median_ms, paired_ratio
 from ddp_amp.dist import DistContext
@@ -45,12 +44,13 @@ def step_flops(shape: GPTShape, precision: Precision, device: torch.device) -> i
     """FLOPs of one training step (forward and backward) of an eager model, counted by torch."""
     model = seeded_gpt(shape, device, seed=1)
     tokens, targets = token_batches(shape, 1, device, seed=1)[0]
-    counter = FlopCounterMode(display=False)
-    with counter:
+
+    def step() -> None:
         with torch.autocast(device.type, dtype=precision.dtype, enabled=precision.autocast_enabled):
             loss = next_token_loss(model(tokens), targets)
         loss.backward()
-    return counter.get_total_flops()
+
+    return counting_flops(step)[1]
 
 
 class _PeakMemory:
@@ -106,12 +106,10 @@ def _row(ctx: DistContext, shape: GPTShape, precision: Precision, compiled: bool
         "peak_mem_mb": memory.peaks_mb,
         "trainer_over_hand": paired_ratio(times[0], times[1]),
         "tokens_per_s": shape.tokens_per_step * ctx.world_size / step_s["trainer"],
-        "tflops": flops / step_s["trainer"] / 1e12,
     }
+    row["tflops"], row["mfu"] = utilization(flops, step_s["trainer"], device, precision.name)
     if compiled:
         row["loss_eager_over_compiled"] = paired_ratio(times[1], times[2])
-    peak = dense_peak_tflops(device, precision.name)
-    row["mfu"] = row["tflops"] / peak if peak else None
     return row
 
 

@@ -38,6 +38,15 @@ def memory_mb(device: torch.device) -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+def utilization(flops_per_step: int, step_time: float, device: torch.device,
+                precision: str) -> tuple[float, float | None]:
+    """(achieved TFLOP/s, MFU) of steps of `flops_per_step` taking `step_time` s; MFU is None
+    where the device's dense peak for `precision` is unknown."""
+    achieved = flops_per_step / step_time / 1e12
+    peak = dense_peak_tflops(device, precision)
+    return achieved, (achieved / peak if peak else None)
+
+
 def throughput_fields(flops_per_step: int | None, step_time: float, samples_per_s: float,
                       tokens_per_sample: int, device: torch.device, precision: str) -> dict[str, Any]:
     """The log's throughput and memory fields for a window of steps (absent where unknown)."""
@@ -45,10 +54,8 @@ def throughput_fields(flops_per_step: int | None, step_time: float, samples_per_
     if tokens_per_sample:
         fields["tokens_per_s"] = samples_per_s * tokens_per_sample
     if flops_per_step and step_time > 0:
-        achieved = flops_per_step / step_time / 1e12
-        fields["tflops"] = achieved
-        peak = dense_peak_tflops(device, precision)
-        if peak:
-            fields["mfu"] = achieved / peak
+        fields["tflops"], mfu = utilization(flops_per_step, step_time, device, precision)
+        if mfu is not None:
+            fields["mfu"] = mfu
     fields["mem_mb"] = memory_mb(device)
     return fields
