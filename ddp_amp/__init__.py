@@ -52,24 +52,4 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-__all__ = [
-    "AgreedGradScaler",
-    "AutocastModule",
-    "DistContext",
-    "DistEnv",
-    "LoaderRequest",
-    "Precision",
-    "Session",
-    "StepResult",
-    "Task",
-    "TrainConfig",
-    "__version__",
-    "UsageError",
-    "detect_env",
-    "distributed",
-    "init_distributed",
-    "load_task",
-    "resolve_precision",
-    "shutdown_distributed",
-    "unwrap_model",
-]
+__all__ = ["__version__", *_PUBLIC]

@@ -9,7 +9,6 @@ or from a `--config` file (`command_line.py`) is checked alike.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import re
 import signal
@@ -19,7 +18,7 @@ from typing import Any
 from ddp_amp.amp import PRECISION_CHOICES, LossScaleOptions
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import WatchOptions, parse_signals
-from ddp_amp.metrics.trackers import BUILT_IN as TRACKERS
+from ddp_amp.metrics.trackers import check_tracker_spec
 
 
 # What a resume does when a field differs from the value the checkpoint was saved with:
@@ -177,10 +176,7 @@ class TrainConfig:
             raise UsageError("--profile-steps", self.profile_steps, "A:B with 1 <= A <= B (optimizer steps)",
                              "e.g. --profile-steps 10:12 to profile three steps after warm-up")
         for spec in self.tracker_specs():
-            if spec not in TRACKERS and ":" not in spec:
-                near = difflib.get_close_matches(spec, TRACKERS, n=1)
-                raise UsageError("--tracker", spec, f"one of {', '.join(TRACKERS)} or 'package.module:function'",
-                                 f"did you mean {near[0]}?" if near else "e.g. --tracker tensorboard,wandb")
+            check_tracker_spec(spec)
         if self.async_checkpoint and not self.ckpt_every:
             raise UsageError("--async-checkpoint", True, "--ckpt-every N with it (the saves it moves to the background)",
                              "the final checkpoint is always written before the run ends; add e.g. --ckpt-every 500")

@@ -16,6 +16,7 @@ fails later, mid-run, is dropped with a warning: a lost dashboard must not stop 
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
 import math
@@ -149,14 +150,21 @@ BUILT_IN: dict[str, Callable[[], Tracker]] = {
     "tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker}
 
 
+def check_tracker_spec(spec: str) -> None:
+    """Raise a one-line UsageError unless `spec` names a built-in tracker or has the form
+    `package.module:function` (checked with the options, before anything starts)."""
+    if spec not in BUILT_IN and ":" not in spec:
+        near = difflib.get_close_matches(spec, BUILT_IN, n=1)
+        raise UsageError("--tracker", spec, f"one of {', '.join(BUILT_IN)} or 'package.module:function'",
+                         f"did you mean {near[0]}?" if near else "e.g. --tracker tensorboard,wandb")
+
+
 def make_tracker(spec: str) -> Tracker:
     """A built-in tracker by name, or the one `package.module:function` returns."""
+    check_tracker_spec(spec)
     if spec in BUILT_IN:
         return BUILT_IN[spec]()
-    module_name, colon, function_name = spec.partition(":")
-    if not colon:
-        raise UsageError("--tracker", spec, f"one of {', '.join(BUILT_IN)} or 'package.module:function'",
-                         "e.g. --tracker tensorboard,wandb")
+    module_name, _, function_name = spec.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as error:
