@@ -87,3 +87,53 @@ def test_disabled_scaler_passes_through_and_never_skips() -> None:
     scaler.step(optimizer)
     scaler.update()
     assert not torch.equal(before, model.weight) and int(scaler.skipped_steps()) == 0
+
+
+def _train_with(scaler: torch.amp.GradScaler, kind: str, usage: str) -> tuple[list[torch.Tensor], list[float]]:
+    """Ten fp16-scaled steps of two fused optimizers, infs at fixed steps: params and scales."""
+    torch.manual_seed(0)
+    body, head = nn.Linear(6, 6), nn.Linear(6, 2)
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
+            "adam": lambda p: torch.optim.Adam(p, lr=0.01, fused=True),
+            "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, fused=True)}[kind]
+    optimizers = [make(body.parameters()), make(head.parameters())]
+    inputs = torch.randn(10, 4, 6)
+    scales = []
+    for step in range(10):
+        loss = head(torch.relu(body(inputs[step]))).pow(2).mean()
+        scaler.scale(loss).backward()
+        if step in (2, 3, 7):
+            body.weight.grad[0, 0] = float("inf")
+        if usage == "unscale_and_clip":
+            for optimizer in optimizers:
+                scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_([*body.parameters(), *head.parameters()], 0.5)
+        for optimizer in optimizers:
+            scaler.step(optimizer)
+            assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
+        scaler.update()
+        scales.append(scaler.get_scale())
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+    return [p.detach().clone() for p in [*body.parameters(), *head.parameters()]], scales
+
+
+@pytest.mark.parametrize("usage", ["step", "unscale_and_clip"])
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+def test_fused_optimizers_step_exactly_as_with_torchs_scaler(kind: str, usage: str) -> None:
+    """The agreed scaler's own fused-optimizer step (no signature lookup, no copies of flag
+    and scale) must update weights and scale bit for bit as torch's GradScaler does."""
+    plain = _train_with(torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3), kind, usage)
+    ours = _train_with(AgreedGradScaler("cpu", init_scale=2.0**12, growth_interval=3, min_scale=0.0), kind, usage)
+    assert ours[1] == plain[1] and len(set(plain[1])) > 2  # the scale backed off and grew
+    assert all(torch.equal(a, b) for a, b in zip(ours[0], plain[0]))
+
+
+def test_fused_step_refuses_a_second_step_before_update() -> None:
+    param = nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([param], lr=0.1, fused=True)
+    scaler = AgreedGradScaler("cpu")
+    scaler.scale(param.sum()).backward()
+    scaler.step(optimizer)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.step(optimizer)

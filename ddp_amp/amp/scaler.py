@@ -24,11 +24,13 @@ NCCL); DeepSpeed and Megatron-LM pay the same for the same reason.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.amp.grad_scaler import OptState
 
 from ddp_amp.amp.lossscale import OverflowCounters, next_scale
 
@@ -65,6 +67,10 @@ class AgreedGradScaler(torch.amp.GradScaler):
         self.agreements = 0  # found-inf all-reduces run (a host int, no sync)
         self._peers_of: object = None
         self._peers = False
+        # Per optimizer step function: does it take the old `grad_scaler` keyword? torch's
+        # `step` asks `inspect.signature` on every step, about 70 us of host time each.
+        self._takes_scaler_kwarg: dict[Callable[..., Any], bool] = {}
+        self._unit: torch.Tensor | None = None  # the 1.0 "inverse scale" of the inf check, made once
 
     def _has_peers(self) -> bool:
         # Asked once per step; the answer holds for the life of the process group, so it is
@@ -90,9 +96,52 @@ class AgreedGradScaler(torch.amp.GradScaler):
             self._agree(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        found_inf_per_device = super()._check_inf_per_device(optimizer)
-        self._agree(found_inf_per_device)
-        return found_inf_per_device
+        # torch's own, but with the unit "inverse scale" made once instead of every step.
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        if self._unit is None or self._unit.device != scale.device:
+            self._unit = torch.ones((), dtype=torch.float32, device=scale.device)
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)  # fresh: kept by reference
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, self._unit, found_inf, True)
+        self._agree(state["found_inf_per_device"])
+        return state["found_inf_per_device"]
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """torch's `step`; for optimizers that unscale in their own kernel (fused), without
+        its per-step host work: the signature lookup, and the copies of flag and scale."""
+        if not self._enabled or "closure" in kwargs or not getattr(optimizer, "_step_supports_amp_scaling", False) \
+                or self._wants_scaler_kwarg(optimizer):
+            return super().step(optimizer, *args, **kwargs)
+        scale, _ = self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] is OptState.READY:
+            self._check_inf_per_device(optimizer)
+        flags = list(state["found_inf_per_device"].values())
+        # The optimizer only reads these two: the flag and the scale themselves do, where
+        # torch hands it a sum of one flag and the scale times 1 (two ops per step).
+        found_inf = flags[0] if len(flags) == 1 and flags[0].device == scale.device else \
+            sum(flag.to(scale.device, non_blocking=True) for flag in flags)
+        earlier = getattr(optimizer, "grad_scale", None)  # a scale the user set on the optimizer
+        if state["stage"] is OptState.UNSCALED:
+            grad_scale = earlier  # unscale_ already divided the gradients
+        else:
+            grad_scale = scale if earlier is None else scale * earlier
+        optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf  # type: ignore[attr-defined]
+        try:
+            result = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+        state["stage"] = OptState.STEPPED
+        return result
+
+    def _wants_scaler_kwarg(self, optimizer: torch.optim.Optimizer) -> bool:
+        step = getattr(optimizer.step, "__func__", optimizer.step)
+        wants = self._takes_scaler_kwarg.get(step)
+        if wants is None:
+            wants = self._takes_scaler_kwarg[step] = "grad_scaler" in inspect.signature(optimizer.step).parameters
+        return wants
 
     def skip_together(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """One skip decision for several unscaled optimizers: an inf in any one's gradients

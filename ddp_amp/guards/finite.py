@@ -5,12 +5,13 @@ weights, and every rank's weights after it are non-finite (DDP sums the bad grad
 into everyone's). The logged loss shows it only at the next log step, so without a check
 every checkpoint in between would commit the broken weights and retention would delete the
 finite ones. Here:
-- every step's loss is kept (on a GPU a reference, no op; on a CPU copied into a buffer
-  made once: kept 0-d tensors scattered through the heap stop the C allocator from giving
-  freed memory back, and a process grew by about 1 GB in 100 steps of the `lm` task);
-  every `FOLD_EVERY` steps and before a check they are folded on the device into the first
-  non-finite step (a few vectorized ops, no host sync), so the stop can name the step
-  where it went wrong;
+- every step's loss is kept (by reference, no op; on a CPU only `COPY_EVERY` steps at a
+  time, then copied into a buffer made once, in one op: a thousand kept 0-d tensors
+  scattered through the heap stop the C allocator from giving freed memory back, and a
+  process grew by about 1 GB in 100 steps of the `lm` task; one copy per step cost about
+  1% of a micro step's host time); every `FOLD_EVERY` steps and before a check they are
+  folded on the device into the first non-finite step (a few vectorized ops, no host
+  sync), so the stop can name the step where it went wrong;
 - before every checkpoint, each rank checks its weights (one pass over them, read once)
   and the ranks gather what they found (collective); if any rank's weights or losses are
   non-finite, nothing is written and every rank stops with the step and the newest finite
@@ -30,6 +31,7 @@ from ddp_amp.errors import TrainingHalted
 
 
 FOLD_EVERY = 1024  # losses kept before they are folded: bounds the list, amortizes the ops
+COPY_EVERY = 8  # on a CPU, losses held by reference before one op copies them into the buffer
 
 
 class FiniteStateGuard:
@@ -38,24 +40,33 @@ class FiniteStateGuard:
     def __init__(self, device: torch.device, track_losses: bool) -> None:
         self.track_losses = track_losses
         self._first_bad = torch.full((), -1, dtype=torch.int64, device=device)
-        self._losses: list[torch.Tensor] = []  # of consecutive steps from self._first_step (GPU)
+        self._losses: list[torch.Tensor] = []  # of the steps after those in self._copies
         self._copies = torch.empty(FOLD_EVERY, device=device) if device.type == "cpu" and track_losses else None
+        self._copied = 0  # losses in self._copies, from self._first_step on
         self._kept = 0
         self._first_step = 0
 
     def record(self, step: int, loss: torch.Tensor) -> None:
-        """Keep `step`'s loss to check later (no op, no host sync). Steps come one by one;
+        """Keep `step`'s detached loss to check later (no host sync). Steps come one by one;
         call `restart()` where they jump (a checkpoint loaded in the same process)."""
         if self.track_losses:
             if not self._kept:
                 self._first_step = step
-            if self._copies is not None:
-                self._copies[self._kept] = loss.detach().reshape(())
-            else:
-                self._losses.append(loss)
+            self._losses.append(loss)
             self._kept += 1
             if self._kept >= FOLD_EVERY:
                 self._fold()
+            elif self._copies is not None and len(self._losses) >= COPY_EVERY:
+                self._copy_out()
+
+    def _copy_out(self) -> None:
+        """Move the losses held by reference into the CPU buffer (one op)."""
+        if not self._losses:
+            return
+        end = self._copied + len(self._losses)
+        torch.stack([loss.reshape(()) if loss.dim() else loss for loss in self._losses],
+                    out=self._copies[self._copied:end])  # type: ignore[index]
+        self._losses, self._copied = [], end
 
     def restart(self) -> None:
         """Fold what was kept: the next recorded step need not follow the last one."""
@@ -65,12 +76,16 @@ class FiniteStateGuard:
         """The first non-finite step among the kept losses, if none was found before (device ops)."""
         if not self._kept:
             return
-        kept = self._copies[:self._kept] if self._copies is not None else torch.stack(self._losses).float()
+        if self._copies is not None:
+            self._copy_out()
+            kept = self._copies[:self._kept]
+        else:
+            kept = torch.stack(self._losses).float()
         bad = torch.isfinite(kept.reshape(-1)).logical_not()
         first = self._first_step + torch.argmax(bad.to(torch.int8))  # argmax: the first maximum
         fresh = torch.where(bad.any(), first.to(torch.int64), -1)
         self._first_bad = torch.where(self._first_bad >= 0, self._first_bad, fresh.to(self._first_bad.device))
-        self._losses, self._kept = [], 0
+        self._losses, self._kept, self._copied = [], 0, 0
 
     @torch.no_grad()
     def check(self, params: Sequence[nn.Parameter], step: int, resume_from: str) -> None:
