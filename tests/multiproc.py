@@ -1,9 +1,9 @@
 """Run test code in real processes: N gloo ranks of a function, or the CLI under torchrun.
 
 `run_ranks(fn, world_size, *args)` is the library's own (`ddp_amp.dist.spawn`): fresh
-interpreters that join a real gloo group through ddp_amp's env detection and init, call
+processes that join a real gloo group through ddp_amp's env detection and init, call
 `fn(ctx, *args)` and return what each rank returned, in rank order. `fn` must be a
-module-level function of an importable module (spawn pickles it by name).
+module-level function of an importable module (it is pickled by name).
 """
 
 from __future__ import annotations

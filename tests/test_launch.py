@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.multiproc import REPO_ROOT, cli_env, free_port
 
 TINY = ["--task", "mlp", "--device", "cpu", "--max-steps", "20", "--log-every", "10", "--task-opt", "hidden=32",
@@ -42,3 +44,35 @@ def test_two_torchrun_agents_on_loopback_form_one_world(tmp_path: Path) -> None:
     assert summary["world_size"] == 2 and summary["steps"] == 20
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["env"]["local_world_size"] == 1  # two nodes of one process, not one of two
+
+
+def _what_the_rank_sees(ctx: object, name: str) -> tuple[str | None, str, int]:
+    import os
+
+    print(f"rank output {os.environ.get(name)}", flush=True)
+    return os.environ.get(name), os.getcwd(), os.getpid()
+
+
+@pytest.fixture(scope="module")
+def started_fork_server() -> None:
+    """A first call, outside the test below and its captured output: the fork server starts here."""
+    from tests.multiproc import run_ranks
+
+    run_ranks(_what_the_rank_sees, 1, "DDP_AMP_TEST_MARK")
+
+
+def test_run_ranks_children_get_the_callers_current_environment_directory_and_output(
+        started_fork_server: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """Children fork from a server started at the first call: each must still see what the
+    caller has now, not what it had then."""
+    import os
+
+    from tests.multiproc import run_ranks
+
+    monkeypatch.setenv("DDP_AMP_TEST_MARK", "second")
+    monkeypatch.chdir(tmp_path)
+    seen = run_ranks(_what_the_rank_sees, 2, "DDP_AMP_TEST_MARK")
+    assert [(value, cwd) for value, cwd, _ in seen] == [("second", str(tmp_path))] * 2
+    assert len({pid for _, _, pid in seen} | {os.getpid()}) == 3  # processes of their own
+    assert capfd.readouterr().out.count("rank output second") == 2

@@ -2,17 +2,25 @@
 
     results = run_ranks(fn, 2, arg, device="cpu")   # fn(ctx, arg) on ranks 0 and 1
 
-Each child is a new interpreter (spawn), joins the group through ddp_amp's own launcher
-detection and `init_distributed`, calls `fn(ctx, *args)` and sends back what it returned;
-the parent returns the results in rank order. Used by the benchmark (a fresh process per
-trial, so memory peaks do not carry over) and by the multi-rank tests. `fn` must be a
-module-level function of an importable module: spawn pickles it by name.
+Each child is a fresh process that has run nothing yet, joins the group through ddp_amp's
+own launcher detection and `init_distributed`, calls `fn(ctx, *args)` and sends back what
+it returned; the parent returns the results in rank order. Used by the benchmark (a fresh
+process per trial, so memory peaks do not carry over) and by the multi-rank tests. `fn`
+must be a module-level function of an importable module: it is pickled by name.
+
+The children fork from a server process that imported torch once (multiprocessing's
+forkserver): a child then starts in a fraction of a second, where a new interpreter spends
+about 2.4 s of CPU importing torch (docs/facts.md). The server was started with the
+environment and standard streams of the parent's first call, so each child takes the
+parent's current ones from its arguments (a test that captures its output then sees its
+own children's); multiprocessing itself gives it the parent's directory and sys.path.
 """
 
 from __future__ import annotations
 
 import io
 import multiprocessing
+import multiprocessing.reduction
 import os
 import queue as queue_module
 import socket
@@ -35,8 +43,42 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# Imported by the fork server before it forks any child: what every child needs anyway.
+_PRELOAD = ["torch", "torch.distributed", "ddp_amp.dist.group", "ddp_amp.env"]
+
+
+def _received_fd(wrapped: Any) -> int:
+    return int(wrapped.detach())
+
+
+class _ParentFd:
+    """One of the parent's file descriptors as it is when a child starts: pickled as a
+    descriptor passed to the child (the start method's own fd passing), a number there."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return _received_fd, (multiprocessing.reduction.DupFd(self.fd),)
+
+
+def _start_context() -> Any:
+    if "forkserver" not in multiprocessing.get_all_start_methods():  # not on every platform
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
 def _child(queue: Any, rank: int, world_size: int, port: int, device: str, backend: str, threads: int,
-           dist_timeout_s: float, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+           dist_timeout_s: float, fn: Callable[..., Any], args: tuple[Any, ...],
+           environ: dict[str, str], streams: tuple[int, int]) -> None:
+    for received, target in zip(streams, (1, 2)):  # the parent's stdout and stderr
+        if received != target:
+            os.dup2(received, target)
+            os.close(received)
+    os.environ.clear()
+    os.environ.update(environ)
     for name in _LAUNCH_VARS:
         os.environ.pop(name, None)
     if world_size > 1:
@@ -73,11 +115,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, device: str =
     over a few cores). `backend`: as `--backend`; a named one forms a group even for one
     process (DDP on one GPU). Raises RuntimeError naming the rank that failed or died.
     """
-    context = multiprocessing.get_context("spawn")
+    context = _start_context()
     queue = context.Queue()
     port = free_port() if world_size > 1 else 0
     procs = [context.Process(target=_child, args=(queue, r, world_size, port, device, backend, threads,
-                                                  dist_timeout_s, fn, args))
+                                                  dist_timeout_s, fn, args, dict(os.environ),
+                                                  (_ParentFd(1), _ParentFd(2))))
              for r in range(world_size)]
     for proc in procs:
         proc.start()
