@@ -7,6 +7,7 @@ import re
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -82,22 +83,25 @@ def _preemptible(max_steps: int) -> list[str]:
 PREEMPTIBLE = _preemptible(3000)
 
 
-def _reference_then_job(cluster: Cluster, tmp_path: Path, args: list[str]) -> tuple[Path, str]:
-    """An uninterrupted 2-rank run of `args` (run dir tmp_path/reference), then the same as a
-    2-task job of the one-node template in tmp_path/job; returns (job dir, job id)."""
-    reference = run_train([*args, "--run-dir", str(tmp_path / "reference")], nproc=2, timeout=300)
-    assert reference.returncode == 0, reference.stderr
+def _job_beside_reference(cluster: Cluster, tmp_path: Path, args: list[str]) -> tuple[Path, str, Future]:
+    """`args` as a 2-task job of the one-node template in tmp_path/job and, at the same time
+    (a thread), as an uninterrupted 2-rank run in tmp_path/reference; returns (job dir, job
+    id, the reference run's future)."""
     job_dir = tmp_path / "job"
     job_dir.mkdir()
-    return job_dir, sbatch(cluster, REPO_ROOT / "slurm" / "one_node.sbatch",
-                           ["--gpus-per-node=0", "--ntasks-per-node=2"], args, job_dir)
+    job = sbatch(cluster, REPO_ROOT / "slurm" / "one_node.sbatch", ["--gpus-per-node=0", "--ntasks-per-node=2"],
+                 args, job_dir)
+    pool = ThreadPoolExecutor(1)
+    reference = pool.submit(run_train, [*args, "--run-dir", str(tmp_path / "reference")], nproc=2, timeout=300)
+    pool.shutdown(wait=False)  # the run goes on; the test waits for its result at the end
+    return job_dir, job, reference
 
 
 def test_a_job_preempted_twice_resumes_bitwise(slurm_cluster: Cluster, tmp_path: Path) -> None:
     """USR1 via scancel, before and again after the first requeue: each is an agreed stop,
     a checkpoint and `scontrol requeue`; each requeued job (SLURM_RESTART_COUNT 1, then 2)
     resumes, and the job ends with the weights of an uninterrupted run."""
-    job_dir, job = _reference_then_job(slurm_cluster, tmp_path, PREEMPTIBLE)
+    job_dir, job, reference = _job_beside_reference(slurm_cluster, tmp_path, PREEMPTIBLE)
     for round_ in (1, 2):
         def training() -> bool:
             records = _records(job_dir, job)
@@ -121,6 +125,7 @@ def test_a_job_preempted_twice_resumes_bitwise(slurm_cluster: Cluster, tmp_path:
     assert stops[0]["step"] < stops[1]["step"] < 3000
     summary = _summary(job_dir, job)
     assert summary["steps"] == 3000 and summary["world_size"] == 2
+    assert reference.result().returncode == 0, reference.result().stderr
     straight, resumed = _final_weights(tmp_path / "reference"), _final_weights(job_dir / "runs" / f"mlp-{job}")
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
 
