@@ -27,31 +27,6 @@ def _summary(cwd: Path, job_id: str) -> dict:
     return json.loads(path.read_text())
 
 
-def test_one_node_template_trains_two_tasks(slurm_cluster: Cluster, tmp_path: Path) -> None:
-    job = sbatch(slurm_cluster, REPO_ROOT / "slurm" / "one_node.sbatch",
-                 ["--gpus-per-node=0", "--ntasks-per-node=2"], TINY, tmp_path)
-    info = wait_job(slurm_cluster, job)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job_output(tmp_path)
-    summary = _summary(tmp_path, job)
-    assert summary["world_size"] == 2 and summary["steps"] == 20
-    # The run directory is named after the job id, so a requeued job finds it again.
-    config = json.loads((tmp_path / "runs" / f"mlp-{job}" / "config.json").read_text())
-    assert config["env"]["launcher"] == "slurm" and config["env"]["run_id"] == job
-    assert "srun --kill-on-bad-exit=1" in job_output(tmp_path)  # the template prints its command
-
-
-def test_multi_node_template_spans_two_nodes(slurm_cluster: Cluster, tmp_path: Path) -> None:
-    job = sbatch(slurm_cluster, REPO_ROOT / "slurm" / "multi_node.sbatch",
-                 ["--gpus-per-node=0", "--nodes=2"], TINY, tmp_path, NPROC_PER_NODE="1")
-    info = wait_job(slurm_cluster, job)
-    assert info["JobState"] == "COMPLETED", job_output(tmp_path)
-    assert info["NumNodes"] == "2"
-    summary = _summary(tmp_path, job)
-    assert summary["world_size"] == 2
-    config = json.loads((tmp_path / "runs" / f"mlp-{job}" / "config.json").read_text())
-    assert config["env"]["launcher"] == "torchrun"
-
-
 def _final_weights(run_dir: Path) -> dict:
     from ddp_amp.checkpoint.discovery import checkpoint_root, list_step_dirs
     from ddp_amp.trainer.checkpointing import MODEL_FILE
@@ -123,8 +98,12 @@ def test_a_job_preempted_twice_resumes_bitwise(slurm_cluster: Cluster, tmp_path:
     stops = [r for r in _records(job_dir, job) if r.get("event") == "preempted"]
     assert [(r["action"], r["requeued"]) for r in stops] == [("requeue", True), ("requeue", True)], stops
     assert stops[0]["step"] < stops[1]["step"] < 3000
+    assert info["ExitCode"] == "0:0" and "srun --kill-on-bad-exit=1" in out, out  # the template prints its command
     summary = _summary(job_dir, job)
     assert summary["steps"] == 3000 and summary["world_size"] == 2
+    # The run directory is named after the job id, so each requeued window found it again.
+    config = json.loads((job_dir / "runs" / f"mlp-{job}" / "config.json").read_text())
+    assert config["env"]["launcher"] == "slurm" and config["env"]["run_id"] == job
     assert reference.result().returncode == 0, reference.result().stderr
     straight, resumed = _final_weights(tmp_path / "reference"), _final_weights(job_dir / "runs" / f"mlp-{job}")
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
@@ -145,8 +124,9 @@ def test_scancel_cancels_a_requeue_job_after_its_checkpoint(slurm_cluster: Clust
 
 
 def test_multi_node_template_preempted_stops_quietly(slurm_cluster: Cluster, tmp_path: Path) -> None:
-    """Two emulated nodes, one torchrun each: USR1 stops, checkpoints and requeues with one
-    stop line, no launcher traceback, and a preempted record; the requeued job completes."""
+    """Two emulated nodes, one torchrun each, one world: USR1 stops, checkpoints and
+    requeues with one stop line, no launcher traceback, and a preempted record; the
+    requeued job completes."""
     job = sbatch(slurm_cluster, REPO_ROOT / "slurm" / "multi_node.sbatch", ["--gpus-per-node=0", "--nodes=2"],
                  _preemptible(1500), tmp_path, NPROC_PER_NODE="1")
     _wait_until(lambda: any("loss" in r for r in _records(tmp_path, job)), "training")
@@ -158,6 +138,11 @@ def test_multi_node_template_preempted_stops_quietly(slurm_cluster: Cluster, tmp
     assert sum("stopped at step" in line for line in out.splitlines()) == 1, out
     stops = [r for r in _records(tmp_path, job) if r.get("event") == "preempted"]
     assert len(stops) == 1 and stops[0]["requeued"], stops
+    assert info["NumNodes"] == "2"  # one torchrun per node, one world of two
+    summary = _summary(tmp_path, job)
+    assert summary["world_size"] == 2 and summary["steps"] == 1500
+    config = json.loads((tmp_path / "runs" / f"mlp-{job}" / "config.json").read_text())
+    assert config["env"]["launcher"] == "torchrun"
 
 
 @pytest.fixture(scope="module", autouse=True)
