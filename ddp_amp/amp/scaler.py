@@ -119,8 +119,8 @@ class AgreedGradScaler(torch.amp.GradScaler):
         if state["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
         flags = list(state["found_inf_per_device"].values())
-        # The optimizer only reads these two: the flag and the scale themselves do, where
-        # torch hands it a sum of one flag and the scale times 1 (two ops per step).
+        # The optimizer only reads the flag and the scale, so it gets them as they are;
+        # torch hands it copies (`0 + flag` and `scale * 1`), two ops per step.
         found_inf = flags[0] if len(flags) == 1 and flags[0].device == scale.device else \
             sum(flag.to(scale.device, non_blocking=True) for flag in flags)
         earlier = getattr(optimizer, "grad_scale", None)  # a scale the user set on the optimizer
