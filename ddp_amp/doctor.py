@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import (DistContext, all_gather_objects, all_reduce_, init_distributed,
+from ddp_amp.distributed import (DistContext, all_gather_objects, all_reduce_, init_distributed,
                           resolve_backend, resolve_device, shutdown_distributed)
 from ddp_amp.env import DistEnv, detect_env, launched_by_srun, launched_by_torchrun
 from ddp_amp.errors import UsageError

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_amp import checkpoint
 from ddp_amp.amp import (AgreedGradScaler, AutocastModule, Precision, StepResult, amp_step, resolve_precision,
                          scaled_backward, unwrap_model, wrap_model)
-from ddp_amp.dist import (BackendChoice, DeviceChoice, DistContext, PeerFailureWatch, agreed_origin,
+from ddp_amp.distributed import (BackendChoice, DeviceChoice, DistContext, PeerFailureWatch, agreed_origin,
                           all_gather_objects, announce_failure, init_distributed, mark_agreed, on_rank_zero,
                           release_ddp, shutdown_distributed, to_device)
 from ddp_amp.env import DistEnv, detect_env

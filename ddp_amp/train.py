@@ -31,7 +31,7 @@ from ddp_amp.amp import Precision, resolve_precision
 from ddp_amp.checkpoint import checkpoint_root, ensure_writable
 from ddp_amp.config import TrainConfig
 from ddp_amp.command_line import config_toml, parse_command_line
-from ddp_amp.dist import (DistContext, PeerFailureWatch, agreed_origin, init_distributed, on_every_rank,
+from ddp_amp.distributed import (DistContext, PeerFailureWatch, agreed_origin, init_distributed, on_every_rank,
                           publish_failure, published_failure, shutdown_distributed)
 from ddp_amp.env import detect_env
 from ddp_amp.errors import CheckpointError, TrainingHalted, UsageError

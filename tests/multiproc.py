@@ -1,6 +1,6 @@
 """Run test code in real processes: N gloo ranks of a function, or the CLI under torchrun.
 
-`run_ranks(fn, world_size, *args)` is the library's own (`ddp_amp.dist.spawn`): fresh
+`run_ranks(fn, world_size, *args)` is the library's own (`ddp_amp.distributed.spawn`): fresh
 processes that join a real gloo group through ddp_amp's env detection and init, call
 `fn(ctx, *args)` and return what each rank returned, in rank order. `fn` must be a
 module-level function of an importable module (it is pickled by name).
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ddp_amp.dist.spawn import free_port, run_ranks
+from ddp_amp.distributed.spawn import free_port, run_ranks
 
 __all__ = ["REPO_ROOT", "cli_env", "free_port", "kill_when", "run_ranks", "run_train"]
 

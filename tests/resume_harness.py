@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistContext
+from ddp_amp.distributed import DistContext
 from ddp_amp.metrics import QuietRunLog
 from ddp_amp.amp import resolve_precision
 from ddp_amp.tasks import load_task

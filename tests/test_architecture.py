@@ -101,3 +101,19 @@ def test_the_cycle_finder_finds_a_cycle(tmp_path: Path) -> None:
         assert _cycles(grimp.build_graph("cyclic")) == [["cyclic.a", "cyclic.b", "cyclic.c"]]
     finally:
         sys.path.remove(str(tmp_path))
+
+
+# Folder names that common tools skip by default: pytest's `norecursedirs`, the standard Python
+# `.gitignore` (`dist/`, `build/`, `*.egg-info/`), and ruff's and black's default excludes.
+SKIPPED_BY_TOOLS = ("*.egg", "*.egg-info", ".*", "_darcs", "build", "CVS", "dist", "node_modules", "venv",
+                    "{arch}", "__pypackages__", "_build", "buck-out", "site-packages")
+
+
+def test_no_package_folder_is_one_that_tools_skip() -> None:
+    import fnmatch
+
+    folders = [path for path in (REPO_ROOT / "ddp_amp").rglob("*") if path.is_dir() and path.name != "__pycache__"]
+    skipped = [str(path.relative_to(REPO_ROOT)) for path in folders
+               if any(fnmatch.fnmatch(path.name, pattern) for pattern in SKIPPED_BY_TOOLS)]
+    assert folders and skipped == []
+    assert (REPO_ROOT / "ddp_amp" / "distributed" / "__init__.py").is_file()

@@ -23,7 +23,7 @@ import torch
 
 from ddp_amp.checkpoint import background, safe_load, verify_checkpoint
 from ddp_amp.checkpoint.commit import WRITE_DELAY_ENV
-from ddp_amp.dist import DistContext, init_distributed
+from ddp_amp.distributed import DistContext, init_distributed
 from ddp_amp.env import DistEnv
 from ddp_amp.tasks import load_task
 from ddp_amp.train import main

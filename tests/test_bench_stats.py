@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddp_amp.bench.stats import interleave, paired_ratio, quantile
-from ddp_amp.dist import comm_hook
+from ddp_amp.distributed import comm_hook
 from ddp_amp.errors import UsageError
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from ddp_amp.checkpoint import safe_load, verify_checkpoint
 from ddp_amp.trainer.checkpointing import map_data_position
-from ddp_amp.dist import DistContext, init_distributed
+from ddp_amp.distributed import DistContext, init_distributed
 from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
 from tests.resume_harness import assert_bitwise_equal, build_trainer, config, straight_vs_resumed

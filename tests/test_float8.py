@@ -13,7 +13,7 @@ from torch import nn
 from ddp_amp.amp import resolve_precision, wrap_model
 from ddp_amp.amp.float8 import count_float8_linears
 from ddp_amp.checkpoint.safe_types import safe_load
-from ddp_amp.dist import DistContext
+from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.tasks.mlp import make_model
 from tests.multiproc import run_ranks, run_train

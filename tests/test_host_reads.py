@@ -24,8 +24,8 @@ from torch.overrides import TorchFunctionMode
 
 from ddp_amp import Session
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistContext
-from ddp_amp.dist.spawn import run_ranks
+from ddp_amp.distributed import DistContext
+from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.trainer import build_trainer
 
 # Tensor methods that hand a value to the host (each is a device sync on a GPU).

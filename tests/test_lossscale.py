@@ -11,7 +11,7 @@ import torch
 
 from ddp_amp.config import TrainConfig
 from ddp_amp.command_line import parse_config
-from ddp_amp.dist import init_distributed
+from ddp_amp.distributed import init_distributed
 from ddp_amp.env import detect_env
 from ddp_amp.errors import TrainingHalted, UsageError
 from ddp_amp.amp import LossScaleOptions, next_scale

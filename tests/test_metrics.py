@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import init_distributed
+from ddp_amp.distributed import init_distributed
 from ddp_amp.env import detect_env
 from ddp_amp.metrics import QuietRunLog, RunLog
 from ddp_amp.train import train

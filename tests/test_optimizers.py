@@ -10,7 +10,7 @@ import torch
 
 from ddp_amp.amp import unwrap_model
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistContext
+from ddp_amp.distributed import DistContext
 from ddp_amp.trainer import build_trainer, seed_everything
 from tests.multiproc import run_ranks, run_train
 

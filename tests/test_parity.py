@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ddp_amp.command_line import parse_config
-from ddp_amp.dist import init_distributed
+from ddp_amp.distributed import init_distributed
 from ddp_amp.env import detect_env
 from ddp_amp.metrics import QuietRunLog
 from ddp_amp.amp import resolve_precision

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistContext
+from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.metrics import QuietRunLog
 from ddp_amp.guards import EXIT_PREEMPTED, PreemptionWatch, parse_signals, requeue_slurm_job

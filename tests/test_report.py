@@ -11,7 +11,7 @@ import pytest
 from matplotlib import image
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import init_distributed
+from ddp_amp.distributed import init_distributed
 from ddp_amp.env import detect_env
 from ddp_amp.report import DPI, FIGSIZE, read_run
 from ddp_amp.report import main as report_main

@@ -15,7 +15,7 @@ from torch import nn
 from ddp_amp.bench.overhead import make_trainer
 from ddp_amp.bench.recipe import RecipeSize, make_batches
 from ddp_amp.command_line import parse_config
-from ddp_amp.dist import DistContext
+from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.amp import Precision
 from tests.multiproc import run_ranks

@@ -9,7 +9,7 @@ from torch import nn
 
 from ddp_amp.amp import unwrap_model
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistContext
+from ddp_amp.distributed import DistContext
 from ddp_amp.metrics import QuietRunLog
 from ddp_amp.amp import resolve_precision
 from ddp_amp.tasks import Task, load_task

@@ -7,7 +7,7 @@
 - `lossscale`: loss-scale rules (hysteresis, floor) and on-device skip counters;
 - `step`: the one AMP step, shared by the Trainer and `Session`.
 
-Imports `dist`, `env` and `errors` from ddp_amp, nothing above.
+Imports `distributed`, `env` and `errors` from ddp_amp, nothing above.
 """
 
 from ddp_amp.amp.autocast import AutocastModule, unwrap_model

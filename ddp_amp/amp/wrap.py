@@ -17,7 +17,7 @@ from torch import nn
 from ddp_amp.amp.autocast import AutocastModule
 from ddp_amp.amp.float8 import convert_linears
 from ddp_amp.amp.precision import Precision
-from ddp_amp.dist import CommHook, wrap_ddp
+from ddp_amp.distributed import CommHook, wrap_ddp
 
 
 def wrap_model(model: nn.Module, precision: Precision, device: torch.device, *, distributed: bool,

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ddp_amp.dist.spawn import run_ranks
+from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.bench.recipe import HandLoop, RecipeSize, make_batches, seeded_model, sync
-from ddp_amp.dist import DistContext
+from ddp_amp.distributed import DistContext
 from ddp_amp.metrics import peak_memory_mb
 from ddp_amp.errors import UsageError
 from ddp_amp.amp import resolve_precision

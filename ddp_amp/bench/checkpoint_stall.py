@@ -34,8 +34,8 @@ import torch
 from ddp_amp.bench.stats import paired_ratio
 from ddp_amp.bench.table import grid, ratio_text
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistContext, init_distributed
-from ddp_amp.dist.spawn import run_ranks
+from ddp_amp.distributed import DistContext, init_distributed
+from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.env import DistEnv
 from ddp_amp.trainer import Trainer, build_trainer
 

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from ddp_amp.bench.overhead import N_BATCHES, make_trainer
-from ddp_amp.dist.spawn import run_ranks
+from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.bench.recipe import HandLoop, RecipeSize, make_batches, seeded_model
 from ddp_amp.bench.stats import interleave, median_ms, paired_ratio
-from ddp_amp.dist import DistContext
+from ddp_amp.distributed import DistContext
 from ddp_amp.amp import Precision
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]

@@ -19,8 +19,8 @@ from typing import Any
 
 from ddp_amp.bench.overhead import measure_contenders
 from ddp_amp.bench.recipe import RecipeSize
-from ddp_amp.dist import DistContext
-from ddp_amp.dist.spawn import run_ranks
+from ddp_amp.distributed import DistContext
+from ddp_amp.distributed.spawn import run_ranks
 
 MICRO = RecipeSize(width=16, batch=8, layers=2)
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -22,11 +22,11 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from ddp_amp.dist.spawn import run_ranks
+from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.bench.recipe import HandLoop, RecipeSize, make_batches, seeded_model
 from ddp_amp.bench.stats import interleave, median_ms, paired_ratio
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistContext
+from ddp_amp.distributed import DistContext
 from ddp_amp.amp import Precision
 from ddp_amp.tasks import Task
 from ddp_amp.trainer import Trainer, build_trainer

@@ -29,8 +29,8 @@ from ddp_amp.bench.overhead import trainer_on_batches
 from ddp_amp.metrics.throughput import counting_flops, utilization
 from ddp_amp.bench.recipe import HandLoop
 from ddp_amp.bench.stats import interleave, median_ms, paired_ratio
-from ddp_amp.dist import DistContext
-from ddp_amp.dist.spawn import run_ranks
+from ddp_amp.distributed import DistContext
+from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.errors import UsageError
 from ddp_amp.trainer.batch_loss import BatchLoss
 

@@ -14,7 +14,7 @@
   copy of the state (`--async-checkpoint`).
 
 What goes into the files is the caller's: the Trainer saves its model and training state,
-`Session` the user's state. Imports `amp`, `dist`, `durable`, `errors` and `version`.
+`Session` the user's state. Imports `amp`, `distributed`, `durable`, `errors` and `version`.
 """
 
 from ddp_amp.checkpoint.background import BackgroundSaver, FinishedWrite

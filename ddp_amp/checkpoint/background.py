@@ -8,7 +8,7 @@ with the synchronous save's own write step (`save.commit_outcome`), so the commi
 protocol, the manifest and retention are the same in both modes.
 
 At most one write is in flight. `wait` (collective) joins it on rank 0 and tells every
-rank its outcome through `dist.on_rank_zero`, so a failed background write reaches every
+rank its outcome through `distributed.on_rank_zero`, so a failed background write reaches every
 rank at the same point of the loop, as the error of a synchronous save would. On a
 failure path a peer may be gone, so `join_locally` only lets rank 0's write finish or fail
 before the process exits; one that never finishes leaves a `.tmp-` directory, which no
@@ -35,7 +35,7 @@ from ddp_amp.checkpoint.discovery import step_dir_name
 from ddp_amp.checkpoint.rng import gather_rng_states
 from ddp_amp.checkpoint.save import build_contents, commit_outcome, commit_step
 from ddp_amp.checkpoint.staging import HostStaging
-from ddp_amp.dist import on_rank_zero
+from ddp_amp.distributed import on_rank_zero
 from ddp_amp.errors import CheckpointError
 
 

@@ -3,7 +3,7 @@
 Nothing from a checkpoint is executed: every file goes through `safe_load`
 (`torch.load(weights_only=True)` with a small allow-list). Every rank reads the files
 itself (the directory must be on a filesystem every rank sees) and runs the caller's
-checks; any rank's refusal is raised on every rank (`dist.on_every_rank`) before anything
+checks; any rank's refusal is raised on every rank (`distributed.on_every_rank`) before anything
 is applied, so a refused checkpoint leaves the live objects untouched everywhere.
 """
 
@@ -22,7 +22,7 @@ from ddp_amp.checkpoint.discovery import resolve_resume
 from ddp_amp.checkpoint.rng import restore_rng
 from ddp_amp.checkpoint.safe_types import safe_load
 from ddp_amp.checkpoint.save import META_FILE, RNG_FILE
-from ddp_amp.dist import all_gather_objects, broadcast_object, on_every_rank, on_rank_zero
+from ddp_amp.distributed import all_gather_objects, broadcast_object, on_every_rank, on_rank_zero
 from ddp_amp.errors import UsageError
 
 T = TypeVar("T")

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddp_amp.dist import has_peers
+from ddp_amp.distributed import has_peers
 
 
 def capture_rng(device: torch.device) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 RNG states are gathered from all ranks first (each rank's dropout stream differs); then
 rank 0 checks that every file will load back (`build_contents`), commits the directory
 (`commit_outcome`) and tells every rank the committed path or why there is none
-(`dist.on_rank_zero`), so no rank carries on believing a checkpoint exists that does not,
+(`distributed.on_rank_zero`), so no rank carries on believing a checkpoint exists that does not,
 and no rank waits on a rank 0 that failed. `background.py` runs the same two steps with
 the commit in a writer thread (`--async-checkpoint`).
 
@@ -28,7 +28,7 @@ from ddp_amp.checkpoint.discovery import list_step_dirs, step_dir_name
 from ddp_amp.checkpoint.manifest import MANIFEST_NAME
 from ddp_amp.checkpoint.rng import gather_rng_states
 from ddp_amp.checkpoint.safe_types import check_loadable
-from ddp_amp.dist import on_rank_zero
+from ddp_amp.distributed import on_rank_zero
 from ddp_amp.errors import CheckpointError, UsageError
 from ddp_amp.version import __version__
 

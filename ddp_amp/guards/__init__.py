@@ -10,7 +10,7 @@ cadence.
   rank 0 asks SLURM to requeue the job;
 - `watch`: `RunWatch` and its `WatchOptions`.
 
-Imports `amp`, `dist`, `metrics`, `errors`; never `checkpoint` (a stop is handed the save
+Imports `amp`, `distributed`, `metrics`, `errors`; never `checkpoint` (a stop is handed the save
 as a function) or anything above.
 """
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ddp_amp.dist import all_gather_objects
+from ddp_amp.distributed import all_gather_objects
 from ddp_amp.errors import TrainingHalted
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ddp_amp.dist import all_gather_objects
+from ddp_amp.distributed import all_gather_objects
 
 ARMED_FOR = 200  # steps the probe stays armed after the last check that saw new skips
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ddp_amp.dist import all_reduce_, on_rank_zero
+from ddp_amp.distributed import all_reduce_, on_rank_zero
 from ddp_amp.errors import UsageError
 from ddp_amp.startup_signals import EarlySignals
 

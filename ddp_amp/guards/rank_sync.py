@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ddp_amp.amp import AgreedGradScaler
-from ddp_amp.dist import all_gather_objects
+from ddp_amp.distributed import all_gather_objects
 from ddp_amp.errors import TrainingHalted
 
 

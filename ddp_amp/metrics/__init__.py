@@ -6,8 +6,8 @@
 - `throughput`: model FLOPs counted once, tokens/s, MFU against `peaks` (dense peaks of
   known GPUs), memory in use: the throughput fields of each log line.
 
-Imports `dist`, `durable` and `errors` from ddp_amp, nothing above; its writes to the run
-directory go through `dist.on_rank_zero`. Plots of a finished run are
+Imports `distributed`, `durable` and `errors` from ddp_amp, nothing above; its writes to the run
+directory go through `distributed.on_rank_zero`. Plots of a finished run are
 the `ddp_amp.report` entry point.
 """
 

@@ -2,7 +2,7 @@
 
 Rank 0 gets a `RunLog`; every other rank a `QuietRunLog` that prints only warnings, so the
 trainer never writes `if rank == 0`. Records are plain dicts of numbers. Every write to the
-run directory goes through `dist.on_rank_zero`: rank 0 writes and every rank learns whether
+run directory goes through `distributed.on_rank_zero`: rank 0 writes and every rank learns whether
 it worked, so a failed write (a full disk, a bad record) stops every rank with its message
 instead of leaving the others waiting in their next collective. That makes `metrics`,
 `event`, `write_json`, `rewind_to` and `summary` collective: every rank calls them at the
@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import psutil
 import torch
 
-from ddp_amp.dist import on_rank_zero
+from ddp_amp.distributed import on_rank_zero
 from ddp_amp.durable import write_atomic
 from ddp_amp.metrics.progress import ProgressBar
 from ddp_amp.metrics.trackers import Trackers, start_trackers

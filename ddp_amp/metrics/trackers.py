@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ddp_amp.dist import on_rank_zero
+from ddp_amp.distributed import on_rank_zero
 from ddp_amp.durable import write_atomic
 from ddp_amp.errors import UsageError
 

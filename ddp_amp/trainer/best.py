@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_amp.checkpoint import BestRecord, read_best, write_best
-from ddp_amp.dist import on_rank_zero
+from ddp_amp.distributed import on_rank_zero
 from ddp_amp.trainer.evaluation import metric_of
 
 

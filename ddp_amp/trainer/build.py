@@ -10,7 +10,7 @@ import torch
 
 from ddp_amp.amp import Precision, resolve_precision
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistContext
+from ddp_amp.distributed import DistContext
 from ddp_amp.metrics import QuietRunLog, RunLog
 from ddp_amp.tasks import Task, load_task
 from ddp_amp.trainer.loop import Trainer

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 
 from ddp_amp.amp import AgreedGradScaler
 from ddp_amp.checkpoint import LoadedCheckpoint, read_agreed, restore_own_rng, restore_scaler
-from ddp_amp.dist import all_gather_objects, to_device
+from ddp_amp.distributed import all_gather_objects, to_device
 from ddp_amp.errors import UsageError
 from ddp_amp.trainer.loader_stream import LoaderStream
 from ddp_amp.trainer.stream import BatchStream

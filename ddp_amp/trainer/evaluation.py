@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ddp_amp.dist import DistContext, all_reduce_, to_device
+from ddp_amp.distributed import DistContext, all_reduce_, to_device
 from ddp_amp.errors import UsageError
 from ddp_amp.tasks import Task
 from ddp_amp.trainer.stream import collate

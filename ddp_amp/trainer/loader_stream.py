@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ddp_amp.dist import to_device
+from ddp_amp.distributed import to_device
 from ddp_amp.errors import UsageError
 
 

@@ -28,7 +28,7 @@ from ddp_amp import checkpoint
 from ddp_amp.checkpoint import safe_load
 from ddp_amp.amp import AutocastModule, Precision, amp_step, scaled_backward, unwrap_model, wrap_model
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistContext, all_reduce_, comm_hook, mark_agreed
+from ddp_amp.distributed import DistContext, all_reduce_, comm_hook, mark_agreed
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import PreemptionWatch, RunWatch, stop_for_preemption, worker_ignores
 from ddp_amp.metrics import RunLog, counting_flops, peak_memory_mb, throughput_fields

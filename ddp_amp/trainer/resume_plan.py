@@ -23,7 +23,7 @@ from typing import Any
 
 from ddp_amp.checkpoint import META_FILE, checkpoint_root, list_step_dirs, resolve_resume
 from ddp_amp.config import TrainConfig, flag_of
-from ddp_amp.dist import on_rank_zero
+from ddp_amp.distributed import on_rank_zero
 from ddp_amp.durable import fsync_dir
 from ddp_amp.errors import UsageError
 

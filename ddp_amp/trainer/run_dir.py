@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.dist import DistContext, on_rank_zero
+from ddp_amp.distributed import DistContext, on_rank_zero
 from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
 from ddp_amp.tasks import task_label

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_amp import checkpoint
-from ddp_amp.dist import mark_agreed
+from ddp_amp.distributed import mark_agreed
 from ddp_amp.trainer.checkpointing import run_meta, training_files
 
 

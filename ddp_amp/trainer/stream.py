@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
-from ddp_amp.dist import to_device
+from ddp_amp.distributed import to_device
 from ddp_amp.errors import UsageError
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from ddp_amp.dist import DistContext, all_gather_objects
+from ddp_amp.distributed import DistContext, all_gather_objects
 from ddp_amp.errors import UsageError
 from ddp_amp.tasks import LoaderFactory, LoaderRequest
 from ddp_amp.trainer.loader_stream import LoaderStream, loader_length

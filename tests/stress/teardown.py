@@ -3,7 +3,7 @@
     python -m tests.stress.teardown --runs 50
 
 Not part of the pytest suite (it takes minutes); it is the evidence behind
-ddp_amp.dist.shutdown_distributed's ordering. An unclean exit is a non-zero torchrun exit
+ddp_amp.distributed.shutdown_distributed's ordering. An unclean exit is a non-zero torchrun exit
 or 'terminate called' on stderr.
 """
 

@@ -44,7 +44,7 @@ def free_port() -> int:
 
 
 # Imported by the fork server before it forks any child: what every child needs anyway.
-_PRELOAD = ["torch", "torch.distributed", "ddp_amp.dist.group", "ddp_amp.env"]
+_PRELOAD = ["torch", "torch.distributed", "ddp_amp.distributed.group", "ddp_amp.env"]
 
 
 def _received_fd(wrapped: Any) -> int:
@@ -87,7 +87,7 @@ def _child(queue: Any, rank: int, world_size: int, port: int, device: str, backe
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     if threads:
         torch.set_num_threads(threads)
-    from ddp_amp.dist.group import init_distributed, shutdown_distributed
+    from ddp_amp.distributed.group import init_distributed, shutdown_distributed
     from ddp_amp.env import detect_env
 
     try:

@@ -11,12 +11,12 @@
 Imports only `env` and `errors` from ddp_amp.
 """
 
-from ddp_amp.dist.collectives import (agreed_origin, all_gather_objects, all_reduce_, broadcast_object,
+from ddp_amp.distributed.collectives import (agreed_origin, all_gather_objects, all_reduce_, broadcast_object,
                                       has_peers, mark_agreed, on_every_rank, on_rank_zero)
-from ddp_amp.dist.ddp import CommHook, comm_hook, release_ddp, wrap_ddp
-from ddp_amp.dist.device import DeviceChoice, resolve_device, to_device
-from ddp_amp.dist.failure import PeerFailureWatch, announce_failure, publish_failure, published_failure
-from ddp_amp.dist.group import (BackendChoice, DistContext, distributed, init_distributed,
+from ddp_amp.distributed.ddp import CommHook, comm_hook, release_ddp, wrap_ddp
+from ddp_amp.distributed.device import DeviceChoice, resolve_device, to_device
+from ddp_amp.distributed.failure import PeerFailureWatch, announce_failure, publish_failure, published_failure
+from ddp_amp.distributed.group import (BackendChoice, DistContext, distributed, init_distributed,
                                 resolve_backend, shutdown_distributed)
 
 __all__ = [

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from ddp_amp.dist.device import DeviceChoice, resolve_device
+from ddp_amp.distributed.device import DeviceChoice, resolve_device
 from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
 
