@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ddp_amp.config import TrainConfig, flag_of
+from ddp_amp.config import TrainConfig, flag_of, text_of
 from ddp_amp.config_file import dumps, read_options
 from ddp_amp.errors import UsageError
 
@@ -53,17 +53,19 @@ def build_parser(prog: str = "python -m ddp_amp.train") -> argparse.ArgumentPars
     parser = _Parser(prog=prog, description="Train with DDP + automatic mixed precision. "
                      "Launch with python, torchrun or srun; the launcher is detected. " + CONFIG_FILE_HELP,
                      epilog=RESUME_HELP, allow_abbrev=False)
+    defaults = TrainConfig()
     for f in dataclasses.fields(TrainConfig):
         flag, help_text = flag_of(f.name), f.metadata["help"]
         if f.metadata["resume"] == "match":
             help_text += " [must match on resume]"
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", help=help_text)
+        if f.type in ("bool", bool):  # --compile and --no-compile: a flag can undo a file's true
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=False, help=help_text)
         elif f.name == "task_opt":
             parser.add_argument(flag, action="append", default=[], metavar="KEY=VALUE", help=help_text)
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
-            parser.add_argument(flag, type=kind, default=f.default, help=help_text + f" (default: {f.default})",
+            default = text_of(defaults, f.name)
+            parser.add_argument(flag, type=kind, default=default, help=help_text + f" (default: {default})",
                                 metavar=f.name.upper())
     return parser
 
@@ -79,22 +81,12 @@ class CommandLine:
     print_config: bool = False
 
 
-def parse_config(argv: list[str]) -> TrainConfig:
-    """Parse command-line options (and a `--config` file) into a TrainConfig.
-
-    Raises UsageError on bad input. `--print-config` is accepted and left to the caller
-    (see `parse_command_line`).
-    """
-    return parse_command_line(argv).config
-
-
 def parse_command_line(argv: list[str]) -> CommandLine:
     """Resolve the options: field defaults, then the `--config` file's values, then flags.
 
     The three layers are merged as values, a later layer replacing an option whole, and
-    the result goes through the one check path a flag-only launch uses (`_checked_config`:
-    choices, then TrainConfig's own checks), so a value is refused alike from a file or a
-    flag. Merging values, rather than turning the file into flags before the command line's
+    the result goes through TrainConfig's own checks, the one path a flag-only launch
+    uses, so a value is refused alike from a file or a flag. Merging values, rather than turning the file into flags before the command line's
     or into parser defaults, is what keeps "flags override" true for `--task-opt`: its
     append action would add the flags' items to the file's list instead of replacing it.
     A file value is type-checked by `read_options`; its TOML type stands in for argparse's
@@ -105,7 +97,9 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     from_file = read_options(launch.config, option_kinds()) if launch.config is not None else {}
     given = _given_flags(flags)
     try:
-        config = _checked_config({**field_defaults(), **from_file, **given})
+        values = {**from_file, **given}
+        values["task_opt"] = tuple(values.get("task_opt", ()))
+        config = TrainConfig(**values)
     except UsageError as error:
         raise _blame_file(error, launch.config, from_file.keys() - given.keys()) from error
     return CommandLine(config, launch.config, launch.print_config)
@@ -128,16 +122,6 @@ def _given_flags(flags: list[str]) -> dict[str, Any]:
     return vars(parser.parse_args(flags))
 
 
-def _checked_config(values: dict[str, Any]) -> TrainConfig:
-    for f in dataclasses.fields(TrainConfig):
-        choices = f.metadata.get("choices")
-        if choices and values[f.name] not in choices:
-            raise UsageError(flag_of(f.name), values[f.name], "one of " + ", ".join(choices),
-                             f"see {flag_of(f.name)} in --help")
-    values["task_opt"] = tuple(values["task_opt"])
-    return TrainConfig(**values)
-
-
 def _blame_file(error: UsageError, path: str | None, file_only: set[str]) -> UsageError:
     """`error` naming the file's key instead of the flag, where the bad value came from the
     file (a user who never typed `--precision` should be told where it was set)."""
@@ -147,28 +131,27 @@ def _blame_file(error: UsageError, path: str | None, file_only: set[str]) -> Usa
     return UsageError(f"{path}: {name}", error.value, error.expected, error.hint)
 
 
-def field_defaults() -> dict[str, Any]:
-    return {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-
-
 # A field's annotation (a string, under `from __future__ import annotations`) -> the value
 # kind its config-file key takes.
 _FILE_KINDS: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str, "tuple[str, ...]": tuple}
 
 
 def option_kinds() -> dict[str, type]:
-    """Every option a config file may set, by field name, with its value kind."""
-    return {f.name: _FILE_KINDS[str(f.type)] for f in dataclasses.fields(TrainConfig)}
+    """Every option a config file may set, by field name, with its value kind (the text a
+    flag takes, for options written as text)."""
+    return {f.name: str if f.metadata["kind"] is not None else _FILE_KINDS[str(f.type)]
+            for f in dataclasses.fields(TrainConfig)}
 
 
 def config_toml(config: TrainConfig) -> str:
-    """`config` as a TOML file that `--config` resolves to an equal TrainConfig.
+    """The run's options of `config` as a TOML file that `--config` reads back.
 
-    Every field is written, the launch-only ones (run_dir, run_name, resume, debug, ...)
-    too: a field left out would resolve to its default, so the file would not reproduce
-    this config. Reusing the file for another run means editing those, or overriding them
-    with flags.
+    The options about one launch (run directory, run name, resume, archive, allowed
+    changes, debug) are left out: the file describes a run, and starting from it is a new
+    run unless flags say otherwise. Every other option is written, defaults included, so
+    the file pins the run whatever the defaults of a later version.
     """
     header = ["ddp_amp run configuration: python -m ddp_amp.train --config THIS_FILE",
-              "keys are the options of --help without -- (max_steps is --max-steps); flags override them"]
-    return dumps(config.to_dict(), header)
+              "keys are the options of --help without -- (max_steps is --max-steps); flags override them",
+              "the launch options (--run-dir, --run-name, --resume, ...) are not here: give them as flags"]
+    return dumps(config.run_options(), header)

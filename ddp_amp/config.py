@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import signal
 from dataclasses import dataclass, field
 from typing import Any
 
 from ddp_amp.amp import PRECISION_CHOICES, LossScaleOptions
 from ddp_amp.errors import UsageError
-from ddp_amp.guards import WatchOptions, parse_signals
-from ddp_amp.metrics.trackers import check_tracker_spec
+from ddp_amp.option_values import (FIELD_NAMES, METRIC_GOAL, NAMES, SIGNALS, STEP_WINDOW, MetricGoal, StepWindow,
+                                   TextKind)
 
 
 # What a resume does when a field differs from the value the checkpoint was saved with:
@@ -26,17 +25,23 @@ from ddp_amp.metrics.trackers import check_tracker_spec
 # so, "precision" follows the AMP recipe's rules (a fresh or ignored scaler, with a notice),
 # "free" is about this launch only and is not compared.
 RESUME_CLASSES = ("match", "notice", "precision", "free")
-PROFILE_STEPS = re.compile(r"^([0-9]+):([0-9]+)$")
-KEEP_BEST = re.compile(r"^[A-Za-z_][\w.-]*(:(min|max))?$")
 
 
-def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, resume: str = "notice") -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices, "resume": resume})
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, resume: str = "notice",
+         kind: TextKind | None = None, launch: bool = False) -> Any:
+    """A field: `help` is its --help text, `kind` turns its text into its typed value,
+    `launch` marks an option about this launch rather than the run (left out of --print-config)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "resume": resume, "kind": kind,
+                                            "launch": launch})
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything `python -m ddp_amp.train` can be told. Field help is the `--help` text."""
+    """Everything `python -m ddp_amp.train` can be told. Field help is the `--help` text.
+
+    Options written as text (signals, step windows, metric goals, name lists) may be given
+    as that text or as their value; they hold their value once built (`option_values`).
+    """
 
     task: str = _opt("lm", "built-in task: lm (transformer LM on Python's own docs), digits "
                      "(scikit-learn digits, needs ddp_amp[sklearn]), mlp (synthetic benchmark); "
@@ -47,9 +52,9 @@ class TrainConfig:
     run_dir: str = _opt("", "directory for config, metrics, checkpoints and the summary; default "
                         "runs/<task>-<id>: the SLURM job id, else torchrun's rendezvous id where it "
                         "names this run, else a new name; restarts and requeues of a job find it again",
-                        resume="free")
+                        resume="free", launch=True)
     run_name: str = _opt("", "name the run: its directory is runs/<name> (instead of --run-dir)",
-                         resume="free")
+                         resume="free", launch=True)
     max_steps: int = _opt(200, "optimizer steps to run (skipped fp16 steps count as steps)")
     batch_size: int = _opt(64, "global batch size per optimizer step, summed over ranks and "
                            "accumulation micro-steps; must divide by world size x --grad-accum",
@@ -79,13 +84,14 @@ class TrainConfig:
                                "job fails instead of hanging")
     num_workers: int = _opt(0, "DataLoader worker processes per rank")
     log_every: int = _opt(20, "print and record metrics every N optimizer steps")
-    tracker: str = _opt("", "experiment trackers that also get every record, comma-separated: tensorboard, "
-                        "wandb (offline unless WANDB_MODE says otherwise), mlflow, or package.module:function "
-                        "returning your own; rank 0 only; a resume continues their runs", resume="free")
-    debug: bool = _opt(False, "show full tracebacks on errors", resume="free")
-    profile_steps: str = _opt("", "A:B: record torch.profiler over optimizer steps A to B on every rank into "
-                              "<run-dir>/profile/ (TensorBoard and Perfetto open it); rank 0 prints the top ops "
-                              "per step", resume="free")
+    tracker: tuple[str, ...] = _opt((), "experiment trackers that also get every record, comma-separated: "
+                                    "tensorboard, wandb (offline unless WANDB_MODE says otherwise), mlflow, or "
+                                    "package.module:function returning your own; rank 0 only; a resume continues "
+                                    "their runs", resume="free", kind=NAMES)
+    debug: bool = _opt(False, "show full tracebacks on errors", resume="free", launch=True)
+    profile_steps: StepWindow | None = _opt(None, "A:B: record torch.profiler over optimizer steps A to B on "
+                                            "every rank into <run-dir>/profile/ (TensorBoard and Perfetto open it); "
+                                            "rank 0 prints the top ops per step", resume="free", kind=STEP_WINDOW)
     memory_snapshot: bool = _opt(False, "CUDA only: record the allocator's history and write a memory snapshot "
                                  "to <run-dir>/profile/ at the end of the profile window or training, and on "
                                  "out-of-memory", resume="free")
@@ -96,19 +102,21 @@ class TrainConfig:
                           "a new one is committed; 0 keeps all")
     resume: str = _opt("auto", "auto (newest complete checkpoint in <run-dir>/checkpoints, if "
                        "any), none (a fresh run: refused where checkpoints exist, unless "
-                       "--archive-checkpoints), or PATH of a checkpoint directory", resume="free")
-    keep_best: str = _opt("", "METRIC[:min|max]: also keep the checkpoint with the best value of an eval "
-                          "metric (e.g. eval_nll, or eval_accuracy:max; min by default), saved at the "
-                          "evaluation that finds it; retention never deletes it; the task's test data, "
-                          "if any, is scored with it at the end")
+                       "--archive-checkpoints), or PATH of a checkpoint directory", resume="free", launch=True)
+    keep_best: MetricGoal | None = _opt(None, "METRIC[:min|max]: also keep the checkpoint with the best value "
+                                        "of an eval metric (e.g. eval_nll, or eval_accuracy:max; min by default), "
+                                        "saved at the evaluation that finds it; retention never deletes it; the "
+                                        "task's test data, if any, is scored with it at the end", kind=METRIC_GOAL)
     archive_checkpoints: bool = _opt(False, "with --resume none: move the run directory's checkpoints "
-                                     "to checkpoints-archived-<time>/ before the first step", resume="free")
+                                     "to checkpoints-archived-<time>/ before the first step", resume="free",
+                                     launch=True)
     async_checkpoint: bool = _opt(False, "write the --ckpt-every checkpoints in the background: training "
                                   "waits only for a host copy of the state, rank 0 writes it while the next "
                                   "steps run (one save in flight; the final, preemption and --keep-best saves "
                                   "stay synchronous)", resume="free")
-    allow_change: str = _opt("", "comma list of settings that must match on resume (marked so in "
-                             "this help) whose change you accept, e.g. seed,task_opt", resume="free")
+    allow_change: tuple[str, ...] = _opt((), "comma list of settings that must match on resume (marked so in "
+                                         "this help) whose change you accept, e.g. seed,task_opt", resume="free",
+                                         kind=FIELD_NAMES, launch=True)
     # --- watching a run (ddp_amp/guards/): fp16 loss-scale safety and the rank-consistency guard ---
     loss_scale_init: float = _opt(65536.0, "fp16: the loss scale to start from")
     loss_scale_growth_interval: int = _opt(2000, "fp16: clean steps in a row before the scale doubles")
@@ -122,12 +130,14 @@ class TrainConfig:
     check_sync_every: int = _opt(0, "every N steps compare a fingerprint of parameters, scaler state "
                                  "and step across ranks and stop if they differ (0 = only after a resume)")
     # --- preemption (ddp_amp/guards/preemption.py): signal -> agreed stop -> checkpoint -> requeue ---
-    preempt_signal: str = _opt("USR1", "signals that mean 'checkpoint at the next agreed step, then "
-                               "requeue' (exit 75): what SLURM sends before a time limit with "
-                               "--signal=B:USR1@<s>. Comma list of USR1, USR2, TERM, INT, HUP, QUIT, or none")
-    stop_signal: str = _opt("TERM", "signals that mean 'checkpoint if possible, then exit without a "
-                            "requeue' (exit 128 + the signal): scancel sends TERM, so a cancelled job "
-                            "stays cancelled. Same list as --preempt-signal, none of the same signals")
+    preempt_signal: tuple[signal.Signals, ...] = _opt(
+        (signal.SIGUSR1,), "signals that mean 'checkpoint at the next agreed step, then requeue' (exit 75): what "
+        "SLURM sends before a time limit with --signal=B:USR1@<s>. Comma list of USR1, USR2, TERM, INT, HUP, QUIT, "
+        "or none", kind=SIGNALS)
+    stop_signal: tuple[signal.Signals, ...] = _opt(
+        (signal.SIGTERM,), "signals that mean 'checkpoint if possible, then exit without a requeue' (exit 128 + "
+        "the signal): scancel sends TERM, so a cancelled job stays cancelled. Same list as --preempt-signal, none "
+        "of the same signals", kind=SIGNALS)
     preempt_check_s: float = _opt(2.0, "seconds of training between the cross-rank checks of the "
                                   "preemption flag (each check is one tiny all-reduce)")
     max_requeues: int = _opt(20, "requeue a preempted SLURM job at most this many times (its "
@@ -137,8 +147,8 @@ class TrainConfig:
 
     # --- performance fast paths (measured by python -m ddp_amp.bench) ---
     compile: bool = _opt(False, "torch.compile the model (inside the autocast wrapper, under DDP) and "
-                         "the loss; the first steps pay the compile time. Pays on transformers (1.35x "
-                         "on GPT-2 small, bf16, H100), not on steps too short to be GPU-bound")
+                         "the loss; the first steps pay the compile time. Pays on transformers, not on "
+                         "steps too short to be GPU-bound (docs/benchmarks.md has the figures)")
     grad_comm_dtype: str = _opt("fp32", "dtype DDP all-reduces gradients in: fp32, or bf16/fp16 "
                                 "compression (half the traffic, less precise sums)", ("fp32", "bf16", "fp16"))
     static_graph: bool = _opt(False, "tell DDP the graph is the same every step (same parameters "
@@ -152,31 +162,37 @@ class TrainConfig:
                            "once, at the end, for the summary")
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # text in, typed value held: parsed here and only here
+            kind, value = f.metadata["kind"], getattr(self, f.name)
+            if isinstance(value, list):  # a list from code or JSON: the tuple a flag would give
+                value = tuple(value)
+            if kind is not None:  # a value given in code goes through its text too, so it is checked alike
+                value = kind.parse(value if isinstance(value, str) else kind.text(value), flag_of(f.name))
+            object.__setattr__(self, f.name, value)
+        for f in dataclasses.fields(self):
+            choices = f.metadata["choices"]
+            if choices and getattr(self, f.name) not in choices:
+                raise UsageError(flag_of(f.name), getattr(self, f.name), "one of " + ", ".join(choices),
+                                 f"see {flag_of(f.name)} in --help")
         for name, (low, high) in NUMBER_LIMITS.items():
             check_number(flag_of(name), getattr(self, name), low, high)
-        self.loss_scale_options().validate()
-        self.signals()
+        self.loss_scale_options()  # the loss-scale rules are the amp layer's own
         for item in self.task_opt:
             if "=" not in item:
                 raise UsageError("--task-opt", item, "KEY=VALUE", "e.g. --task-opt hidden=256")
-        self._check_run_options()
+        self._check_combinations()
 
-    def _check_run_options(self) -> None:
+    def _check_combinations(self) -> None:
         if self.run_dir and self.run_name:
             raise UsageError("--run-name", self.run_name, "either --run-dir or --run-name, not both",
                              "--run-name NAME is short for --run-dir runs/NAME")
         if self.run_name in (".", "..") or "/" in self.run_name or "\\" in self.run_name:
             raise UsageError("--run-name", self.run_name, "a plain name (no path separators)",
                              "use --run-dir for a path")
-        if self.keep_best and not KEEP_BEST.match(self.keep_best):
-            raise UsageError("--keep-best", self.keep_best, "METRIC or METRIC:min or METRIC:max",
-                             "e.g. --keep-best eval_nll, or --keep-best eval_accuracy:max")
-        window = PROFILE_STEPS.match(self.profile_steps)
-        if self.profile_steps and (not window or not 1 <= int(window[1]) <= int(window[2])):
-            raise UsageError("--profile-steps", self.profile_steps, "A:B with 1 <= A <= B (optimizer steps)",
-                             "e.g. --profile-steps 10:12 to profile three steps after warm-up")
-        for spec in self.tracker_specs():
-            check_tracker_spec(spec)
+        both = sorted(s.name for s in set(self.preempt_signal) & set(self.stop_signal))
+        if both:
+            raise UsageError("--stop-signal", text_of(self, "stop_signal"), "signals not also in --preempt-signal",
+                             f"{', '.join(both)} cannot mean both requeue and stop; drop it from one")
         if self.async_checkpoint and not self.ckpt_every:
             raise UsageError("--async-checkpoint", True, "--ckpt-every N with it (the saves it moves to the background)",
                              "the final checkpoint is always written before the run ends; add e.g. --ckpt-every 500")
@@ -184,38 +200,17 @@ class TrainConfig:
             raise UsageError("--archive-checkpoints", True, "--resume none with it",
                              "it moves old checkpoints aside for a fresh run: add --resume none")
         must_match = match_fields()
-        for name in self.allowed_changes():
+        for name in self.allow_change:
             if name not in must_match:
                 raise UsageError("--allow-change", name, "names of settings that must match on resume: "
                                  + ", ".join(must_match), "other settings may change without it")
 
-    def tracker_specs(self) -> list[str]:
-        """`--tracker` as a list of names (empty: none)."""
-        return [spec.strip() for spec in self.tracker.split(",") if spec.strip()]
-
-    def allowed_changes(self) -> tuple[str, ...]:
-        """`--allow-change` as field names (`--task-opt` and `task-opt` mean `task_opt`)."""
-        names = (item.strip().removeprefix("--").replace("-", "_") for item in self.allow_change.split(","))
-        return tuple(name for name in names if name)
-
-    def signals(self) -> tuple[tuple[signal.Signals, ...], tuple[signal.Signals, ...]]:
-        """(requeue signals, stop signals), parsed; one signal cannot mean both."""
-        requeue = parse_signals(self.preempt_signal, "--preempt-signal")
-        stop = parse_signals(self.stop_signal, "--stop-signal")
-        both = sorted(s.name for s in set(requeue) & set(stop))
-        if both:
-            raise UsageError("--stop-signal", self.stop_signal, "signals not also in --preempt-signal",
-                             f"{', '.join(both)} cannot mean both requeue and stop; drop it from one")
-        return requeue, stop
-
     def loss_scale_options(self) -> LossScaleOptions:
-        """The `--loss-scale-*` settings, as the amp layer takes them."""
-        return LossScaleOptions(self.loss_scale_init, self.loss_scale_growth_interval, self.loss_scale_backoff,
-                                self.loss_scale_min, self.loss_scale_hysteresis, self.max_consecutive_skips)
-
-    def watch_options(self) -> WatchOptions:
-        """The watchdogs' settings, as the guards layer takes them."""
-        return WatchOptions(self.loss_scale_options(), self.check_sync_every, self.log_every)
+        """The `--loss-scale-*` settings as the amp layer takes them, checked there."""
+        options = LossScaleOptions(self.loss_scale_init, self.loss_scale_growth_interval, self.loss_scale_backoff,
+                                   self.loss_scale_min, self.loss_scale_hysteresis, self.max_consecutive_skips)
+        options.validate()
+        return options
 
     def task_options(self) -> dict[str, str]:
         return dict(item.split("=", 1) for item in self.task_opt)
@@ -231,7 +226,34 @@ class TrainConfig:
         return self.batch_size // parts
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every option as the text or number a flag takes (what config.json records)."""
+        return {f.name: text_of(self, f.name) for f in dataclasses.fields(self)}
+
+    def run_options(self) -> dict[str, Any]:
+        """`to_dict()` less the options about one launch (run directory, resume, debug):
+        what `--print-config` writes, so its file describes a run and starts a new one."""
+        return {f.name: text_of(self, f.name) for f in dataclasses.fields(self) if not f.metadata["launch"]}
+
+
+def text_of(config: TrainConfig, name: str) -> Any:
+    """Option `name` of `config` as a flag would give it (its value where it is no text kind)."""
+    kind = config.__dataclass_fields__[name].metadata["kind"]
+    value = getattr(config, name)
+    return kind.text(value) if kind is not None else value
+
+
+def same_setting(name: str, saved: Any, now: Any) -> bool:
+    """Whether option `name` saved as `saved` (config.json's text) equals `now` (also text),
+    compared as values: `eval_nll` and `eval_nll:min` are one goal, `TERM,USR1`..."""
+    kind = TrainConfig.__dataclass_fields__[name].metadata["kind"]
+    if isinstance(saved, list):  # JSON keeps tuples as lists
+        saved = tuple(saved)
+    if kind is not None and isinstance(saved, str) and isinstance(now, str):
+        try:
+            return kind.parse(saved, flag_of(name)) == kind.parse(now, flag_of(name))
+        except UsageError:  # a value an older version accepted: compare the text
+            return saved == now
+    return saved == now
 
 
 def flag_of(name: str) -> str:

@@ -98,7 +98,7 @@ def check_gpus(env: DistEnv, environ: Mapping[str, str], gpu_count: int) -> list
 
 def signal_meanings(config: TrainConfig) -> str:
     """What each handled signal makes ddp_amp.train do, with its defaults."""
-    requeue, stop = config.signals()
+    requeue, stop = config.preempt_signal, config.stop_signal
     names = (lambda signums: ",".join(s.name.removeprefix("SIG") for s in signums) or "none")
     return (f"{names(requeue)}: checkpoint + requeue, exit 75 (--preempt-signal); "
             f"{names(stop)}: checkpoint + stop, no requeue, exit 128+N (--stop-signal)")

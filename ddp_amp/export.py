@@ -5,8 +5,10 @@
     python -m ddp_amp.export runs/x/checkpoints/step-00000400 --to model.safetensors
 
 SOURCE is a run directory (the checkpoint `--resume auto` would pick: the newest whose
-manifest verifies), its `checkpoints/` folder, or one `step-N` directory (verified here).
-What is written is the checkpoint's `model.pt`, the user's module's state dict, so
+manifest verifies), its `checkpoints/` folder (or any folder of `step-N` checkpoints a
+`Session.save` loop wrote), or one checkpoint directory (verified here). What is written is
+one module's file of the checkpoint's layout (`model.pt`, or `--module NAME`'s), the user's
+module's state dict, so
 
     model.load_state_dict(safetensors.torch.load_file("model.safetensors"), strict=True)
 
@@ -32,18 +34,15 @@ from typing import Any
 
 import torch
 
-from ddp_amp.checkpoint import (IncompleteCheckpoint, checkpoint_root, complete_copy, list_step_dirs,
+from ddp_amp.checkpoint import (META_FILE, IncompleteCheckpoint, checkpoint_root, complete_copy, list_step_dirs,
                                 read_best, read_checkpoint, resolve_resume, verify_checkpoint)
 from ddp_amp.durable import write_atomic
 from ddp_amp.errors import UsageError
-from ddp_amp.trainer.checkpointing import MODEL_FILE
+from ddp_amp.session.layout import module_file
 from ddp_amp.version import __version__
 
 SOURCE = "RUN_DIR_OR_CHECKPOINT"
 INSTALL_HINT = "pip install 'ddp_amp[export]'"
-# What the wrappers add in front of every name when a wrapped model's state_dict is saved:
-# DDP and AutocastModule hold the model as `.module`, torch.compile as `._orig_mod`.
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 RUN_CONFIG = "config.json"  # every run directory gets one at its start
 
 
@@ -123,24 +122,8 @@ class ExportedTensors:
     """The state dict made storable by safetensors, and what had to change on the way."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    stripped_prefix: str = ""
     shared: dict[str, str] = field(default_factory=dict)  # name -> earlier name with the same storage
     skipped: list[str] = field(default_factory=list)  # non-tensor entries (e.g. `_extra_state`)
-
-
-def wrapper_prefix(names: list[str]) -> str:
-    """The run of wrapper prefixes that every name starts with ("" where there is none).
-
-    The Trainer saves unwrapped names, so this is "" for its checkpoints; a state dict
-    taken from a wrapped model (`module.module.` under DDP + autocast) still loads.
-    """
-    prefix = ""
-    while names:
-        step = next((p for p in WRAPPER_PREFIXES if all(n.startswith(prefix + p) for n in names)), None)
-        if step is None:
-            return prefix
-        prefix += step
-    return prefix
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:
@@ -150,7 +133,8 @@ def _storage_key(tensor: torch.Tensor) -> int | None:
 
 
 def storable_tensors(state: Mapping[str, Any]) -> ExportedTensors:
-    """Tensors safetensors accepts: contiguous, no two sharing storage, names unwrapped.
+    """Tensors safetensors accepts: contiguous, no two sharing storage (the names are the
+    unwrapped module's already: the session saves modules unwrapped).
 
     A tensor whose storage an earlier name already uses (tied weights) is written as its
     own copy: safetensors refuses aliases, and `load_state_dict(strict=True)` needs every
@@ -158,10 +142,9 @@ def storable_tensors(state: Mapping[str, Any]) -> ExportedTensors:
     are one Parameter, so the tie holds. Non-tensor entries are left out: safetensors
     stores tensors only.
     """
-    result = ExportedTensors(stripped_prefix=wrapper_prefix(list(state)))
+    result = ExportedTensors()
     owners: dict[int, str] = {}
-    for saved_name, value in state.items():
-        name = saved_name[len(result.stripped_prefix):]
+    for name, value in state.items():
         if not isinstance(value, torch.Tensor):
             result.skipped.append(name)
             continue
@@ -194,20 +177,30 @@ def export_metadata(meta: Mapping[str, Any], step: int, exported: ExportedTensor
     return metadata
 
 
-def read_model_state(path: Path) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """(the model's state dict, meta.json, step) of verified checkpoint `path`."""
-    if not (path / MODEL_FILE).is_file():
-        raise UsageError(SOURCE, str(path), f"a checkpoint of `python -m ddp_amp.train` (it holds {MODEL_FILE})",
-                         "a Session.save checkpoint holds your own state: load it with Session.load and "
-                         "save the model's state_dict() yourself")
+def chosen_module(path: Path, meta: Mapping[str, Any], module: str | None) -> str:
+    """Which module of checkpoint `path` to export: `module`, else its only one (or `model`)."""
+    saved = list(meta.get("modules", ["model"]))  # before meta.json listed them, the Trainer's model
+    if module is None and ("model" in saved or len(saved) == 1):
+        module = "model" if "model" in saved else saved[0]
+    if module is None or module not in saved or not (path / module_file(module)).is_file():
+        hint = (f"name one with --module ({', '.join(saved)})" if saved else
+                "it holds no module: a Session.save of a model (state {'model': model}) writes one")
+        raise UsageError("--module" if module else SOURCE, module or str(path),
+                         "a module the checkpoint holds", hint)
+    return module
+
+
+def read_model_state(path: Path, module: str | None = None) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """(a module's state dict, meta.json, step) of verified checkpoint `path`."""
     try:
-        loaded = read_checkpoint(path, [MODEL_FILE], what=SOURCE)
+        name = module_file(chosen_module(path, json.loads((path / META_FILE).read_text()), module))
+        loaded = read_checkpoint(path, [name], what=SOURCE)
     except (OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
         raise UsageError(SOURCE, str(path), "a readable ddp_amp checkpoint",
                          f"{type(error).__name__}: {error}"[:300]) from None
-    state = loaded.files[MODEL_FILE]
-    if not isinstance(state, Mapping) or not all(isinstance(name, str) for name in state):
-        raise UsageError(SOURCE, str(path / MODEL_FILE), "a state dict (names -> tensors)",
+    state = loaded.files[name]
+    if not isinstance(state, Mapping) or not all(isinstance(key, str) for key in state):
+        raise UsageError(SOURCE, str(path / name), "a state dict (names -> tensors)",
                          f"it holds a {type(state).__name__}; was it written by ddp_amp?")
     return dict(state), loaded.meta, _step_of(path, loaded.meta)
 
@@ -276,8 +269,6 @@ def _size(count: int) -> str:
 
 
 def _describe_changes(exported: ExportedTensors) -> None:
-    if exported.stripped_prefix:
-        _note(f"note: removed the wrapper prefix {exported.stripped_prefix!r} from every name")
     if exported.shared:
         pairs = ", ".join(f"{name} = {owner}" for name, owner in exported.shared.items())
         _note(f"note: tensors sharing storage written as separate copies ({pairs}); "
@@ -288,12 +279,13 @@ def _describe_changes(exported: ExportedTensors) -> None:
               "defines get_extra_state needs strict=False or that state from elsewhere")
 
 
-def export(source: Path, output: Path, *, best: bool = False, force: bool = False) -> Path:
+def export(source: Path, output: Path, *, best: bool = False, force: bool = False,
+           module: str | None = None) -> Path:
     """Write the weights of the checkpoint `source` names to `output`; returns that checkpoint."""
     backend = require_safetensors()  # before reading gigabytes only to fail
     check_output(output, force)
     checkpoint = locate_checkpoint(source, best, lambda message: _note(f"warning: {message}"))
-    state, meta, step = read_model_state(checkpoint)
+    state, meta, step = read_model_state(checkpoint, module)
     exported = storable_tensors(state)
     _describe_changes(exported)
     size = write_safetensors(output, exported, export_metadata(meta, step, exported), backend)
@@ -311,9 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--best", action="store_true",
                         help="export the checkpoint --keep-best kept (checkpoints/best.json) instead")
     parser.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    parser.add_argument("--module", default=None, metavar="NAME",
+                        help="which module of the checkpoint, by its key in the saved state (default: "
+                        "'model', or its only one)")
     args = parser.parse_args(argv)
     try:
-        export(args.source, args.to, best=args.best, force=args.force)
+        export(args.source, args.to, best=args.best, force=args.force, module=args.module)
     except UsageError as error:
         print(f"ddp_amp: error: {error}", file=sys.stderr, flush=True)
         return 2

@@ -27,33 +27,33 @@ from ddp_amp.startup_signals import EarlySignals
 # would end the process. The options' own signals take over in main() once they are read.
 _STARTUP = EarlySignals((signal.SIGUSR1, signal.SIGTERM)) if __name__ == "__main__" else None
 
-from ddp_amp.amp import Precision, resolve_precision
 from ddp_amp.checkpoint import checkpoint_root, ensure_writable
-from ddp_amp.config import TrainConfig
 from ddp_amp.command_line import config_toml, parse_command_line
-from ddp_amp.distributed import (DistContext, PeerFailureWatch, agreed_origin, init_distributed, on_every_rank,
-                          publish_failure, published_failure, shutdown_distributed)
+from ddp_amp.config import TrainConfig
+from ddp_amp.distributed import DistContext, agreed_origin, on_every_rank, publish_failure, published_failure
 from ddp_amp.env import detect_env
 from ddp_amp.errors import CheckpointError, TrainingHalted, UsageError
 from ddp_amp.guards import exit_code_for
 from ddp_amp.metrics import make_run_log
+from ddp_amp.session import Session
 from ddp_amp.tasks import Task
 from ddp_amp.trainer import build_trainer, prepare_task
+from ddp_amp.trainer.options import check_options, session_for
 from ddp_amp.trainer.resume_plan import ResumePlan, plan_resume
 from ddp_amp.trainer.run_dir import lock_run_directory, run_directory
 
 
-def train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
-    """Build everything for one rank, train, and return the summary (collective).
+def train(config: TrainConfig, session: Session) -> dict[str, Any]:
+    """Build everything for this rank of `session`, train, and return the summary (collective).
 
     Everything that can fail on the user's input is checked before anything is written:
-    task, batch geometry, precision, an explicit `--resume PATH` and its settings; then
-    rank 0 locks the run directory and the start is planned under the lock.
-    Everything built here (DDP model, optimizer, reducer hooks) is freed when this
-    function returns, before the caller destroys the process group (docs/facts.md: a gloo
-    group torn down under a live DDP reducer can abort the process).
+    options, precision (the session's start), task, batch geometry, an explicit `--resume
+    PATH` and its settings; then rank 0 locks the run directory and the start is planned
+    under the lock. Everything built here (DDP model, optimizer, reducer hooks) is freed
+    when this function returns, before the session leaves the process group (docs/facts.md:
+    a gloo group torn down under a live DDP reducer can abort the process).
     """
-    precision = resolve_precision(config.precision, ctx.device, config.fp8_emulate)
+    ctx = session.ctx
     # A task that fails to build on some ranks only fails on every rank, with its message.
     task = on_every_rank(lambda: prepare_task(config, ctx))  # before anything is written
     run_dir = run_directory(config, ctx)
@@ -61,19 +61,18 @@ def train(config: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     lock = lock_run_directory(run_dir, ctx)  # a second job on this directory stops here
     try:
         plan = explicit or plan_resume(config, run_dir)
-        return _train_in(run_dir, plan, config, ctx, task, precision)
+        return _train_in(run_dir, plan, config, session, task)
     finally:
         lock.release()
 
 
-def _train_in(run_dir: Path, plan: ResumePlan, config: TrainConfig, ctx: DistContext, task: Task,
-              precision: Precision) -> dict[str, Any]:
+def _train_in(run_dir: Path, plan: ResumePlan, config: TrainConfig, session: Session, task: Task) -> dict[str, Any]:
+    ctx, precision = session.ctx, session.precision
     ckpt_root = checkpoint_root(run_dir)
     ensure_writable(ckpt_root, run_dir)  # all ranks fail together, before any work
     run_log = make_run_log(ctx.rank, run_dir)
     try:
-        trainer = build_trainer(config, ctx, run_log, task=task, precision=precision,
-                                checkpoint_root=ckpt_root)
+        trainer = build_trainer(session, config, run_log, task=task, checkpoint_root=ckpt_root)
         if plan.checkpoint is not None:  # its last checks (shapes, optimizer) before any write
             trainer.load_checkpoint(plan.checkpoint)
         run_log.info(f"task={task.name} world_size={ctx.world_size} device={ctx.device} "
@@ -90,7 +89,7 @@ def _train_in(run_dir: Path, plan: ResumePlan, config: TrainConfig, ctx: DistCon
         run_log.rewind_to(trainer.step if plan.checkpoint is not None else -1)
         # The trackers continue their runs from here on a resume (tensorboard drops what a lost
         # attempt logged past this step, as rewind_to did); one that fails to start stops the run.
-        run_log.start_trackers(config.tracker_specs(), config.to_dict(),
+        run_log.start_trackers(list(config.tracker), config.to_dict(),
                                trainer.step if plan.checkpoint is not None else 0)
         if plan.checkpoint is not None:
             trainer.watch.after_resume(trainer.step)  # ranks must agree right after a load
@@ -111,20 +110,20 @@ def main(argv: list[str] | None = None, exiting: bool = False) -> int:
     rank = 0
     early: EarlySignals | None = None
     try:
-        env = detect_env(os.environ)
-        rank = env.rank
+        rank = detect_env(os.environ).rank
         command = parse_command_line(argv)
+        config = command.config
+        check_options(config)
         if command.print_config:  # before any process group or file: it only shows the config
             if rank == 0:
-                print(config_toml(command.config), end="")
+                print(config_toml(config), end="")
             return 0
-        config = command.config
         debug = debug or config.debug  # `debug = true` in a --config file
-        requeue_signals, stop_signals = config.signals()
-        early = EarlySignals(requeue_signals + stop_signals)  # until the loop's own watch takes over
+        early = EarlySignals(config.preempt_signal + config.stop_signal)  # until the loop's own watch takes over
         if _STARTUP is not None:
             _STARTUP.restore()  # what the options do not name goes back to its default
-        ctx = init_distributed(env, config.device, config.backend, config.dist_timeout)  # type: ignore[arg-type]
+        # Joins the group and resolves the precision: a refusal there is the same on every rank.
+        session = session_for(config).start()
     except UsageError as error:
         if early is not None:
             early.restore()
@@ -133,17 +132,15 @@ def main(argv: list[str] | None = None, exiting: bool = False) -> int:
         if rank == 0:  # every rank read the same input: one line is enough
             print(f"ddp_amp: error: {error}", file=sys.stderr)
         return 2
-    watch = PeerFailureWatch(ctx.store, rank).start()
     try:
-        summary = train(config, ctx)
+        summary = train(config, session)
         return exit_code_for(summary) if summary.get("preempted") else 0
     except KeyboardInterrupt:
         return 130
     except Exception as error:  # noqa: BLE001 - one line, once, the traceback on --debug
-        return _report(error, ctx, debug)
+        return _report(error, session.ctx, debug)
     finally:
-        watch.stop()
-        shutdown_distributed()
+        session.close()
         if exiting:  # nothing is left to save: a late warning must not kill the exit
             early.ignore_from_now()
         else:

@@ -11,9 +11,9 @@ import torch
 from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import DistContext
 from ddp_amp.metrics import QuietRunLog
-from ddp_amp.amp import resolve_precision
+from ddp_amp.session import Session
 from ddp_amp.tasks import load_task
-from ddp_amp.trainer import Trainer, seed_everything
+from ddp_amp.trainer import Trainer, seed_everything, session_for
 
 TASK = "tests.plugins.ckpt_task:make_task"
 
@@ -44,15 +44,14 @@ def build_trainer(cfg: TrainConfig, ctx: DistContext, root: Path | None) -> Trai
     seed_everything(cfg.seed)
     task = load_task(cfg.task, cfg)
     seed_everything(cfg.seed + ctx.rank)
-    return Trainer(cfg, task, ctx, resolve_precision(cfg.precision, ctx.device), NoticeLog(ctx.rank),
-                   checkpoint_root=root)
+    return Trainer(session_for(cfg).start(), cfg, task, NoticeLog(ctx.rank), checkpoint_root=root)
 
 
 def snapshot(trainer: Trainer) -> dict[str, Any]:
     """Everything exact resume must reproduce, copied off the live objects."""
     if trainer.schedule is not None:  # mid-run, the scheduler may still count skipped steps
         trainer.schedule.before_checkpoint()
-    model = trainer.autocast_model.unwrap()
+    model = Session.unwrap(trainer.model)
     return {
         "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
@@ -97,7 +96,7 @@ def straight_vs_resumed(ctx: DistContext, root: Path, steps: int, resume_at: int
     for _ in range(resume_at):
         first.train_step()
     saved = first.save_checkpoint()
-    assert saved is not None, first.checkpoint_error
+    assert saved is not None
     del first
     torch.manual_seed(12345)  # the resumed run must not depend on what the RNGs were before
     resumed = build_trainer(cfg, ctx, root)

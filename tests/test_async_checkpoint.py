@@ -60,14 +60,14 @@ def test_background_save_holds_its_step_and_resumes_bitwise(ctx: DistContext, tm
         deadline = time.monotonic() + 20
         while run.step < 5 and time.monotonic() < deadline:
             time.sleep(0.005)
-        seen.append((run.step, run.last_checkpoint))
+        seen.append((run.step, run.checkpoints.last))
         return commit(*args)
 
     monkeypatch.setattr(background, "commit_outcome", late_writer)
     run.fit()
     saved = tmp_path / "step-00000003"
     assert seen == [(5, None)]  # written after two more steps, and not claimed before its commit
-    assert run.last_checkpoint == tmp_path / "step-00000005"
+    assert run.checkpoints.last == tmp_path / "step-00000005"
     lines = run.run_log.lines  # type: ignore[attr-defined]
     started = next(i for i, line in enumerate(lines) if line.startswith(
         "checkpoint step-00000003 started in the background (stall "))
@@ -76,7 +76,7 @@ def test_background_save_holds_its_step_and_resumes_bitwise(ctx: DistContext, tm
 
     verify_checkpoint(saved)
     assert_bitwise_equal(at_save["model"], safe_load(saved / "model.pt"), "model.pt")
-    assert_bitwise_equal(at_save["optimizer"], safe_load(saved / "train.pt")["optimizer"], "train.pt")
+    assert_bitwise_equal(at_save["optimizer"], safe_load(saved / "state.pt")["optimizer"], "state.pt")
     resumed = build_trainer(config(max_steps=8), ctx, None)
     resumed.load_checkpoint(saved)
     while resumed.step < 8:
@@ -121,7 +121,7 @@ def _cli_rank(ctx: DistContext, argv: list[str], limit: int) -> int:
 
 def test_failed_background_write_stops_every_rank_like_a_failed_save(tmp_path: Path,
                                                                      capfd: pytest.CaptureFixture[str]) -> None:
-    # model.pt fits under the limit, train.pt (AdamW's two moments besides) does not.
+    # model.pt fits under the limit, state.pt (AdamW's two moments besides) does not.
     task = load_task(TASK, config(task_opt=("hidden=2048",)))
     buffer = io.BytesIO()
     torch.save(task.model.state_dict(), buffer)

@@ -8,7 +8,9 @@ import threading
 import torch
 from torch import nn
 
-from ddp_amp.amp import AutocastModule, unwrap_model
+from ddp_amp.amp import AutocastModule, Precision, unwrap_model
+
+BF16, FP16, FP32 = Precision("bf16", "cpu"), Precision("fp16", "cpu"), Precision("fp32", "cpu")
 
 
 def _forward_in_thread(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
@@ -25,15 +27,15 @@ def test_forward_in_another_thread_uses_the_configured_dtype() -> None:
     # Autocast is thread-local: the main thread's context does not reach the worker thread.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert _forward_in_thread(inner, inputs).dtype == torch.float32
-    wrapped = AutocastModule(inner, "cpu", torch.bfloat16)
+    wrapped = AutocastModule(inner, BF16)
     assert _forward_in_thread(wrapped, inputs).dtype == torch.bfloat16
 
 
 def test_cast_outputs_to_fp32_and_disabled_wrapper() -> None:
     inputs = torch.randn(2, 4)
-    casting = AutocastModule(nn.Linear(4, 4), "cpu", torch.float16, cast_outputs_to_fp32=True)
+    casting = AutocastModule(nn.Linear(4, 4), FP16, cast_outputs_to_fp32=True)
     assert casting(inputs).dtype == torch.float32
-    off = AutocastModule(nn.Linear(4, 4), "cpu", torch.float16, enabled=False)
+    off = AutocastModule(nn.Linear(4, 4), FP32)
     assert off(inputs).dtype == torch.float32
 
 
@@ -54,14 +56,38 @@ class LogitsModel(nn.Module):
 
 
 def test_a_dict_output_of_its_own_class_keeps_its_class_when_cast() -> None:
-    output = AutocastModule(LogitsModel(), "cpu", torch.bfloat16, cast_outputs_to_fp32=True)(torch.randn(2, 4))
+    output = AutocastModule(LogitsModel(), BF16, cast_outputs_to_fp32=True)(torch.randn(2, 4))
     assert type(output) is AttributeOutput and output.logits.dtype == torch.float32 and output.note == "kept"
 
 
 def test_wrapper_pickles_and_unwraps_to_the_users_module() -> None:
     inner = nn.Linear(3, 3)
-    wrapped = AutocastModule(inner, "cpu", torch.bfloat16)
+    wrapped = AutocastModule(inner, BF16)
     assert wrapped.unwrap() is inner and unwrap_model(wrapped) is inner
     clone = pickle.loads(pickle.dumps(wrapped))
-    assert clone.dtype == torch.bfloat16 and torch.equal(clone.unwrap().weight, inner.weight)
+    assert clone.precision == BF16 and torch.equal(clone.unwrap().weight, inner.weight)
     assert clone(torch.randn(1, 3)).dtype == torch.bfloat16
+
+
+def test_an_outer_region_of_another_precision_gives_way_to_the_wrappers() -> None:
+    """The wrapper's precision wins inside its forward: an fp32 wrapper under a caller's bf16
+    region runs fp32, a bf16 wrapper under the same region adds nothing and runs bf16."""
+    inputs = torch.randn(2, 4)
+    with BF16.autocast():
+        assert AutocastModule(nn.Linear(4, 4), FP32)(inputs).dtype == torch.float32
+        assert AutocastModule(nn.Linear(4, 4), BF16)(inputs).dtype == torch.bfloat16
+        assert BF16.autocast() is BF16.autocast()  # already in effect: the shared no-op, nothing entered
+        assert isinstance(FP32.autocast(), torch.autocast)  # another state: entered for real
+    assert not isinstance(FP32.autocast(), torch.autocast)  # fp32 outside any region: nothing to enter
+
+
+def test_torch_autocast_is_entered_by_one_module_of_the_package() -> None:
+    """Precision.autocast is the one entry: no other module of ddp_amp calls torch.autocast
+    (the benchmark's hand-written reference loops aside, which are what ddp_amp is measured against)."""
+    import re
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parent.parent / "ddp_amp"
+    callers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
+                     if re.search(r"\btorch\.(amp\.)?autocast\(|\bfrom torch(\.amp)? import autocast\b", path.read_text()))
+    assert callers == ["amp/precision.py", "bench/recipe.py"]

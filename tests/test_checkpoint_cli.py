@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import os
 import resource
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_amp.checkpoint import (commit_checkpoint, newest_complete, resolve_resume, safe_load,
-                                verify_checkpoint)
+from ddp_amp.checkpoint import (commit_checkpoint, commit_directory, newest_complete, resolve_resume, safe_load,
+                                step_dir_name, verify_checkpoint)
 from ddp_amp.config import TrainConfig
-from ddp_amp.checkpoint.manifest import MANIFEST_NAME, build_manifest, encode_manifest
+from ddp_amp.checkpoint.manifest import MANIFEST_NAME
 from ddp_amp.errors import UsageError
 from ddp_amp.train import main
 from tests.resume_harness import TASK
@@ -74,9 +73,9 @@ def test_bad_input_fails_in_one_line_and_keeps_saved_checkpoints(
 
     # A full disk during the next save, with --keep-last 1: the error names the kept
     # checkpoint, and retention never ran because nothing new was committed.
-    sizes = {name: (root / "step-00000002" / name).stat().st_size for name in ("model.pt", "train.pt")}
-    assert sizes["model.pt"] < sizes["train.pt"]  # AdamW state: two more copies of the weights
-    limit = (sizes["model.pt"] + sizes["train.pt"]) // 2
+    sizes = {name: (root / "step-00000002" / name).stat().st_size for name in ("model.pt", "state.pt")}
+    assert sizes["model.pt"] < sizes["state.pt"]  # AdamW state: two more copies of the weights
+    limit = (sizes["model.pt"] + sizes["state.pt"]) // 2
     full = subprocess.run([sys.executable, "-m", "ddp_amp.train", *COMMON, "--max-steps", "4",
                            "--keep-last", "1", "--run-dir", str(run_dir)], capture_output=True, text=True,
                           timeout=180, env=cli_env(), cwd=REPO_ROOT,
@@ -104,9 +103,9 @@ def _files(step: int) -> dict[str, object]:
 
 def test_discovery_skips_corrupt_and_partial_and_retention_keeps_last(tmp_path: Path) -> None:
     for step in (1, 2, 3, 4):
-        commit_checkpoint(tmp_path, step, _files(step), keep_last=3)
+        commit_checkpoint(tmp_path / step_dir_name(step), _files(step), keep_last=3)
     (tmp_path / ".tmp-step-00000009-1").mkdir()  # a dead writer's leftovers
-    commit_checkpoint(tmp_path, 5, _files(5), keep_last=3)
+    commit_checkpoint(tmp_path / step_dir_name(5), _files(5), keep_last=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000004", "step-00000005"]
     newest = tmp_path / "step-00000005" / "model.pt"
     data = bytearray(newest.read_bytes())
@@ -121,9 +120,9 @@ def test_discovery_skips_corrupt_and_partial_and_retention_keeps_last(tmp_path: 
 
 
 def test_resaving_a_step_replaces_it_and_a_crash_midway_loses_nothing(tmp_path: Path) -> None:
-    commit_checkpoint(tmp_path, 2, _files(2))
-    commit_checkpoint(tmp_path, 5, _files(5))
-    commit_checkpoint(tmp_path, 5, _files(50))  # the same step again (a fresh run in an old dir)
+    commit_checkpoint(tmp_path / step_dir_name(2), _files(2))
+    commit_checkpoint(tmp_path / step_dir_name(5), _files(5))
+    commit_checkpoint(tmp_path / step_dir_name(5), _files(50))  # the same step again (a fresh run in an old dir)
     assert torch.equal(safe_load(tmp_path / "step-00000005" / "model.pt")["w"], torch.full((4,), 50.0))
     # A crash between moving the old step-5 aside and renaming the new one in:
     (tmp_path / "step-00000005").rename(tmp_path / ".tmp-old-step-00000005-77")
@@ -141,13 +140,8 @@ class _Payload:
 
 
 def test_checkpoint_with_pickled_code_is_refused_unexecuted(tmp_path: Path) -> None:
-    source = tmp_path / "good"
-    commit_checkpoint(source, 1, _files(1))
-    evil = tmp_path / "evil"
-    shutil.copytree(source / "step-00000001", evil)
-    marker = tmp_path / "pwned"
-    torch.save({"w": _Payload(str(marker))}, evil / "model.pt")
-    (evil / MANIFEST_NAME).write_bytes(encode_manifest(build_manifest(evil, 1, ["model.pt", "meta.json"])))
+    marker, evil = tmp_path / "pwned", tmp_path / "evil"
+    commit_directory(evil, {"model.pt": {"w": _Payload(str(marker))}, "meta.json": b"{}"})
     verify_checkpoint(evil)  # a valid manifest does not make it safe
     with pytest.raises(UsageError, match="pickled objects or code, refused unexecuted"):
         safe_load(evil / "model.pt")
@@ -157,7 +151,7 @@ def test_checkpoint_with_pickled_code_is_refused_unexecuted(tmp_path: Path) -> N
 def test_resume_choices_and_option_checks(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
     for step in (3, 7):
-        commit_checkpoint(root, step, _files(step))
+        commit_checkpoint(root / step_dir_name(step), _files(step))
     assert resolve_resume("none", root, print) is None
     assert resolve_resume("auto", root, print) == root / "step-00000007"
     assert resolve_resume(str(root), tmp_path / "elsewhere", print) == root / "step-00000007"

@@ -17,7 +17,7 @@ COMMON = ["--task", TASK, "--batch-size", "8", "--device", "cpu", "--log-every",
 def _final(run_dir: Path, step: int) -> dict[str, object]:
     path = run_dir / "checkpoints" / f"step-{step:08d}"
     verify_checkpoint(path)
-    train = safe_load(path / "train.pt")
+    train = safe_load(path / "state.pt")
     return {"model": safe_load(path / "model.pt"), "optimizer": train["optimizer"],
             "scheduler": train["scheduler"], "step": train["step"]}
 

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from ddp_amp.checkpoint import safe_load, verify_checkpoint
-from ddp_amp.trainer.checkpointing import map_data_position
+from ddp_amp.trainer.resume import map_data_position
 from ddp_amp.distributed import DistContext, init_distributed
 from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
+from ddp_amp.session import Session
 from tests.resume_harness import assert_bitwise_equal, build_trainer, config, straight_vs_resumed
 from tests.multiproc import run_ranks
 
@@ -67,21 +68,22 @@ def test_two_ranks_resume_is_bitwise_exact(two_rank_results: list[dict[str, Any]
 def test_checkpoint_contents_load_as_plain_data(two_rank_results: list[dict[str, Any]]) -> None:
     path = Path(two_rank_results[0]["fp32"][2])
     manifest = verify_checkpoint(path)
-    assert set(manifest["files"]) == {"model.pt", "train.pt", "rng.pt", "meta.json"}
+    assert set(manifest["files"]) == {"model.pt", "state.pt", "rng.pt", "meta.json"}
     model_state = safe_load(path / "model.pt")  # weights_only=True, nothing allow-listed
     assert not any(key.startswith(("module.", "_orig_mod.")) for key in model_state)
     plain = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4))
     plain.load_state_dict(model_state)
-    train = safe_load(path / "train.pt")
+    train = safe_load(path / "state.pt")
     assert train["step"] == 7 and train["samples_seen"] == 56
     assert train["data"] == {"epoch": 0, "batch_in_epoch": 7}
-    assert {"optimizer", "scaler", "scheduler", "scaler_skipped_total"} <= set(train)
+    assert {"optimizer", "scaler", "scheduler"} <= set(train)
     rng = safe_load(path / "rng.pt")["ranks"]
     assert len(rng) == 2 and set(rng[0]) >= {"python", "numpy", "torch"}
     assert not torch.equal(rng[0]["torch"], rng[1]["torch"])  # each rank's own stream
     meta = __import__("json").loads((path / "meta.json").read_text())
     assert meta["world_size"] == 2 and meta["torch_version"] == torch.__version__
     assert meta["ddp_amp_version"] and meta["config"]["max_steps"] == 16
+    assert meta["modules"] == ["model"] and meta["scaler_skipped_total"] == 0
 
 
 def test_precision_change_on_resume(two_rank_results: list[dict[str, Any]]) -> None:
@@ -117,10 +119,10 @@ def test_world_size_change_maps_or_refuses(two_rank_results: list[dict[str, Any]
     assert any("saved with 2 rank(s)" in line for line in notices)
     # micro 12 does not divide 56: refused with a hint, before anything is changed.
     odd = build_trainer(config(batch_size=12), _single(), None)
-    before = {k: v.clone() for k, v in odd.autocast_model.unwrap().state_dict().items()}
+    before = {k: v.clone() for k, v in Session.unwrap(odd.model).state_dict().items()}
     with pytest.raises(UsageError, match="resume with 2 rank"):
         odd.load_checkpoint(path)
-    assert_bitwise_equal(before, odd.autocast_model.unwrap().state_dict())
+    assert_bitwise_equal(before, Session.unwrap(odd.model).state_dict())
     meta = {"world_size": 2, "micro_batch_size": 4, "batches_per_epoch": 12}
     at_epoch_end = {"epoch": 3, "batch_in_epoch": 12}
     assert map_data_position(meta, at_epoch_end, 3, 5, 6) == {"epoch": 4, "batch_in_epoch": 0}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.command_line import config_toml, parse_config
+from ddp_amp.command_line import config_toml, parse_command_line
 from ddp_amp.config_file import dumps
 from ddp_amp.errors import UsageError
 from ddp_amp.train import main
@@ -33,7 +33,7 @@ def _write(tmp_path: Path, text: str, name: str = "run.toml") -> str:
 
 def _error(argv: list[str]) -> str:
     with pytest.raises(UsageError) as caught:
-        parse_config(argv)
+        parse_command_line(argv).config
     message = str(caught.value)
     assert "\n" not in message, message
     return message
@@ -42,21 +42,21 @@ def _error(argv: list[str]) -> str:
 def test_file_values_apply_and_the_rest_keep_their_defaults(tmp_path: Path) -> None:
     path = _write(tmp_path, 'task = "mlp"\nmax_steps = 7\nlr = 1e-3\ncompile = true\n'
                             'task_opt = ["hidden=32", "layers=2"]\n')
-    config = parse_config(["--config", path])
+    config = parse_command_line(["--config", path]).config
     assert (config.task, config.max_steps, config.lr, config.compile) == ("mlp", 7, 1e-3, True)
     assert config.task_opt == ("hidden=32", "layers=2")
     assert config.batch_size == TrainConfig().batch_size
 
 
 def test_a_dash_in_a_key_means_an_underscore_but_not_both_spellings(tmp_path: Path) -> None:
-    assert parse_config(["--config", _write(tmp_path, "max-steps = 9\n")]).max_steps == 9
+    assert parse_command_line(["--config", _write(tmp_path, "max-steps = 9\n")]).config.max_steps == 9
     message = _error(["--config", _write(tmp_path, "max_steps = 9\nmax-steps = 8\n", "both.toml")])
     assert "both.toml: max-steps=8" in message and "set twice" in message
 
 
 def test_flags_override_the_file_wherever_they_stand(tmp_path: Path) -> None:
     path = _write(tmp_path, 'max_steps = 7\nprecision = "bf16"\ntask_opt = ["hidden=32", "layers=2"]\n')
-    config = parse_config(["--max-steps", "11", "--config", path, "--task-opt", "hidden=64"])
+    config = parse_command_line(["--max-steps", "11", "--config", path, "--task-opt", "hidden=64"]).config
     assert config.max_steps == 11 and config.precision == "bf16"
     assert config.task_opt == ("hidden=64",)  # the flag replaces the file's list, not adds to it
 
@@ -65,11 +65,20 @@ def test_print_config_round_trips_to_an_equal_config(tmp_path: Path) -> None:
     argv = ["--task", "mlp", "--task-opt", "hidden=32", "--task-opt", 'note=a "quoted" C:\\path\twith tab',
             "--lr", "1e-3", "--loss-scale-min", "0", "--preempt-check-s", "1e-06", "--compile",
             "--run-dir", 'runs/it\'s "x" \\ y', "--seed", str(2**63 - 1), "--print-config"]
-    original = parse_config(argv)
+    original = parse_command_line(argv).config
     assert original != TrainConfig() and len(original.task_opt) == 2
     text = config_toml(original)
-    assert set(tomllib.loads(text)) == {f.name for f in dataclasses.fields(TrainConfig)}
-    assert parse_config(["--config", _write(tmp_path, text)]) == original
+    # Every option of the run; none about this one launch (a file of them would start a new run).
+    launch = {"run_dir", "run_name", "resume", "archive_checkpoints", "allow_change", "debug"}
+    assert set(tomllib.loads(text)) == {f.name for f in dataclasses.fields(TrainConfig)} - launch
+    assert parse_command_line(["--config", _write(tmp_path, text)]).config == dataclasses.replace(original, run_dir="")
+
+
+def test_a_flag_turns_off_what_the_file_turns_on(tmp_path: Path) -> None:
+    path = _write(tmp_path, "compile = true\nstatic_graph = true\n")
+    assert parse_command_line(["--config", path]).config.compile
+    config = parse_command_line(["--config", path, "--no-compile"]).config
+    assert not config.compile and config.static_graph  # only what the flag names changes
 
 
 def test_the_emitter_writes_what_tomllib_reads_back() -> None:
@@ -106,14 +115,14 @@ def test_a_value_of_the_wrong_type_names_key_value_and_type(line: str, shown: st
 
 
 def test_an_integer_is_accepted_for_a_float_option(tmp_path: Path) -> None:
-    config = parse_config(["--config", _write(tmp_path, "lr = 1\n")])
+    config = parse_command_line(["--config", _write(tmp_path, "lr = 1\n")]).config
     assert config.lr == 1.0 and type(config.lr) is float
 
 
 def test_a_bad_value_from_the_file_is_blamed_on_the_file_unless_a_flag_replaces_it(tmp_path: Path) -> None:
     path = _write(tmp_path, 'precision = "fp4"\n')
     assert _error(["--config", path]).startswith(f"{path}: precision='fp4': expected one of auto")
-    assert parse_config(["--config", path, "--precision", "fp32"]).precision == "fp32"
+    assert parse_command_line(["--config", path, "--precision", "fp32"]).config.precision == "fp32"
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -128,8 +137,8 @@ def test_a_missing_or_invalid_file_is_one_line_with_its_path(text: str | None, e
 
 
 def test_the_file_path_is_not_part_of_the_config_so_a_resume_from_flags_matches(tmp_path: Path) -> None:
-    from_file = parse_config(["--config", _write(tmp_path, 'seed = 3\ntask_opt = ["hidden=32"]\n')])
-    from_flags = parse_config(["--seed", "3", "--task-opt", "hidden=32"])
+    from_file = parse_command_line(["--config", _write(tmp_path, 'seed = 3\ntask_opt = ["hidden=32"]\n')]).config
+    from_flags = parse_command_line(["--seed", "3", "--task-opt", "hidden=32"]).config
     assert from_file == from_flags and from_file != TrainConfig()
     assert compare_settings(from_file.to_dict(), from_flags) == ([], [], [])
 
@@ -178,7 +187,8 @@ def test_cli_print_config_exits_0_with_toml_that_resolves_to_the_same_config(cli
     printed = tomllib.loads(result.stdout)
     assert printed["lr"] == 1e-3 and printed["task_opt"] == ["hidden=32"]
     monkeypatch.chdir(cwd)  # PRINT_ARGV names run.toml relative to the run's directory
-    assert parse_config(["--config", _write(cwd, result.stdout, "printed.toml")]) == parse_config(PRINT_ARGV)
+    assert parse_command_line(["--config", _write(cwd, result.stdout, "printed.toml")]).config == \
+        parse_command_line(PRINT_ARGV).config
     assert sorted(p.name for p in cwd.iterdir()) == ["printed.toml", "run.toml"]  # no runs/ made
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from ddp_amp import UsageError
-from ddp_amp.command_line import parse_config
+from ddp_amp.command_line import parse_command_line
 from tests.multiproc import run_train
 
 TASK = "examples.hf_causal_lm:make_task"
@@ -72,5 +72,5 @@ def test_hf_causal_lm_without_transformers_is_one_line_with_the_install_hint(mon
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
     with pytest.raises(UsageError) as caught:
-        make_task(parse_config(["--task", TASK]))
+        make_task(parse_command_line(["--task", TASK]).config)
     assert "pip install 'ddp_amp[hf]'" in str(caught.value) and "\n" not in str(caught.value)

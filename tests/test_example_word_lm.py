@@ -31,8 +31,8 @@ from typing import Any
 import pytest
 import torch
 
-from ddp_amp import TrainConfig, detect_env, init_distributed
-from ddp_amp.trainer import build_trainer
+from ddp_amp import TrainConfig
+from ddp_amp.trainer import build_trainer, session_for
 from ddp_amp.trainer.iterable_stream import RankShard
 from examples.word_lm import DEFAULT_LR, CarriedHidden, ChunkGrid, ChunkStream
 from tests.multiproc import REPO_ROOT, cli_env, run_train
@@ -180,7 +180,7 @@ def test_steady_state_steps_read_nothing_on_the_host() -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the CLI runs get it (OMP_NUM_THREADS=1): tiny steps, a shared CPU
     try:
-        trainer = build_trainer(config, init_distributed(detect_env({}), "cpu"))
+        trainer = build_trainer(session_for(config).start(), config)
         for _ in range(3):  # lazy starts: the first pass's loader, the hidden state, optimizer state
             trainer.train_step()
         counter = HostReadCounter()
@@ -234,11 +234,12 @@ def test_a_stopped_and_resumed_run_goes_on_bitwise_hidden_state_included(runs: R
     assert epochs[PASS_STEPS] == 0 and epochs[PASS_STEPS + 1] == 1, epochs
     # And it ends in the same state: the carried hidden state and the weights, bit for bit.
     twin = torch.load(session.directory / "last" / "state.pt", weights_only=True)
+    twin_weights = torch.load(session.directory / "last" / "model.pt", weights_only=True)
     hidden = _ckpt(resumed, STEPS, "task_state.pt")["ranks"][0]["value"]
     assert all(torch.equal(mine, its) for mine, its in zip(hidden, twin["hidden"]["value"], strict=True))
     weights = _ckpt(resumed, STEPS, "model.pt")
-    assert weights.keys() == twin["model"].keys()
-    assert all(torch.equal(weights[name], twin["model"][name]) for name in weights)
+    assert weights.keys() == twin_weights.keys()
+    assert all(torch.equal(weights[name], twin_weights[name]) for name in weights)
 
 
 def test_keep_best_keeps_the_best_checkpoint_and_the_test_pass_uses_it(runs: Runs) -> None:

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ddp_amp.checkpoint import commit_checkpoint, read_best, safe_load
+from ddp_amp.checkpoint import commit_checkpoint, read_best, safe_load, step_dir_name
 from ddp_amp.export import main as export_main
 from ddp_amp.export import storable_tensors
 from ddp_amp.tasks.mlp import make_model
@@ -164,21 +164,17 @@ def test_without_safetensors_the_hint_says_what_to_install(mlp_run: Path, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
-def test_wrapper_prefixes_non_contiguous_tensors_and_extra_state(tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    # A state dict taken from a wrapped model, as a hand-written loop might save it: DDP and
-    # the autocast wrapper's `module.` twice, a transposed (non-contiguous) weight, and a
-    # module's `_extra_state` that is not a tensor.
+def test_non_contiguous_tensors_and_extra_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A transposed (non-contiguous) weight, and a module's `_extra_state` that is not a tensor.
     transposed = torch.arange(12.0).reshape(3, 4).t()
-    state = {"module.module.proj.weight": transposed, "module.module.proj.bias": torch.zeros(3),
-             "module.module.proj._extra_state": {"amax_history": [1.0, 2.0]}}
+    state = {"proj.weight": transposed, "proj.bias": torch.zeros(3),
+             "proj._extra_state": {"amax_history": [1.0, 2.0]}}
     exported = storable_tensors(state)
-    assert exported.stripped_prefix == "module.module."
     assert exported.skipped == ["proj._extra_state"]
     assert all(tensor.is_contiguous() for tensor in exported.tensors.values())
 
     root, out = tmp_path / "checkpoints", tmp_path / "model.safetensors"
-    commit_checkpoint(root, 5, {"model.pt": state, "rng.pt": {"ranks": []}, "meta.json": b'{"step": 5}'})
+    commit_checkpoint(root / step_dir_name(5), {"model.pt": state, "rng.pt": {"ranks": []}, "meta.json": b'{"step": 5}'})
     assert export_main([str(root), "--to", str(out)]) == 0
     assert "proj._extra_state" in capsys.readouterr().err
     weights = load_file(out)

@@ -26,7 +26,7 @@ from ddp_amp import Session
 from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import DistContext
 from ddp_amp.distributed.spawn import run_ranks
-from ddp_amp.trainer import build_trainer
+from ddp_amp.trainer import build_trainer, session_for
 
 # Tensor methods that hand a value to the host (each is a device sync on a GPU).
 HOST_READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__complex__", "cpu",
@@ -83,7 +83,7 @@ def _trainer_reads(ctx: DistContext, cases: list[tuple[str, str, dict[str, Any]]
     for task, precision, extra in cases:
         config = TrainConfig(task=task, precision=precision, device=device, batch_size=8 * ctx.world_size,
                              max_steps=1000, log_every=1000, **{"task_opt": TASK_OPTIONS.get(task, ()), **extra})
-        trainer = build_trainer(config, ctx)
+        trainer = build_trainer(session_for(config).start(), config)
         for _ in range(WARMUP):
             trainer.train_step()
         reads = _count(lambda: [trainer.train_step() for _ in range(MEASURED)], device)

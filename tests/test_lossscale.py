@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.command_line import parse_config
+from ddp_amp.command_line import parse_command_line
 from ddp_amp.distributed import init_distributed
 from ddp_amp.env import detect_env
 from ddp_amp.errors import TrainingHalted, UsageError
@@ -88,11 +88,11 @@ def test_guard_stops_after_consecutive_skips_and_streak_survives_state_dict() ->
 
 def test_bad_loss_scale_options_are_usage_errors() -> None:
     with pytest.raises(UsageError, match="--loss-scale-backoff"):
-        parse_config(["--loss-scale-backoff", "1.5"])
+        parse_command_line(["--loss-scale-backoff", "1.5"]).config
     with pytest.raises(UsageError, match="--loss-scale-min"):
-        parse_config(["--loss-scale-min", "1e9"])
+        parse_command_line(["--loss-scale-min", "1e9"]).config
     with pytest.raises(UsageError, match="--check-sync-every"):
-        parse_config(["--check-sync-every", "-1"])
+        parse_command_line(["--check-sync-every", "-1"]).config
 
 
 def _one_process(tmp_path: Path, **options: object) -> TrainConfig:

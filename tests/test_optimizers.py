@@ -11,7 +11,7 @@ import torch
 from ddp_amp.amp import unwrap_model
 from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import DistContext
-from ddp_amp.trainer import build_trainer, seed_everything
+from ddp_amp.trainer import build_trainer, seed_everything, session_for
 from tests.multiproc import run_ranks, run_train
 
 PLUGIN = "tests.plugins.two_optimizers_task:make_task"
@@ -21,7 +21,7 @@ def _steps_with_an_inf_in_one_optimizer(ctx: DistContext) -> dict[str, Any]:
     config = TrainConfig(task=PLUGIN, task_opt=("inf_at=3",), precision="fp16", device="cpu", batch_size=16,
                          loss_scale_init=256.0, max_steps=100, log_every=100)
     seed_everything(config.seed)
-    trainer = build_trainer(config, ctx)
+    trainer = build_trainer(session_for(config).start(), config)
     body, head = unwrap_model(trainer.model)[0].weight, unwrap_model(trainer.model)[2].weight
     changed, skipped = [], []
     for _ in range(5):
@@ -54,10 +54,10 @@ def test_two_optimizers_checkpoint_and_resume_bitwise(tmp_path: Path) -> None:
     again = run_train([*args, "--max-steps", "6", "--run-dir", str(halves)])
     assert again.returncode == 0, again.stderr[-2000:]
     load = lambda run, name: torch.load(run / "checkpoints" / "step-00000006" / name, weights_only=True)  # noqa: E731
-    assert len(load(straight, "train.pt")["optimizer"]) == 2  # each optimizer's own state
+    assert len(load(straight, "state.pt")["optimizer"]) == 2  # each optimizer's own state
     a, b = load(straight, "model.pt"), load(halves, "model.pt")
     assert all(torch.equal(a[name], b[name]) for name in a)
-    moments = [_tensors(load(run, "train.pt")["optimizer"]) for run in (straight, halves)]
+    moments = [_tensors(load(run, "state.pt")["optimizer"]) for run in (straight, halves)]
     assert len(moments[0]) == len(moments[1]) > 0
     assert all(torch.equal(x, y) for x, y in zip(*moments))  # Adam's moments too
 

@@ -12,13 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from ddp_amp.command_line import parse_config
-from ddp_amp.distributed import init_distributed
-from ddp_amp.env import detect_env
+from ddp_amp.command_line import parse_command_line
 from ddp_amp.metrics import QuietRunLog
-from ddp_amp.amp import resolve_precision
 from ddp_amp.tasks import load_task
-from ddp_amp.trainer import Trainer, seed_everything
+from ddp_amp.trainer import Trainer, seed_everything, session_for
 
 # A 1-layer, 32-wide LM on a 20k-word slice. At this size SGD at lr >= 2 is chaotic: any
 # rounding difference grows step by step, so the final perplexity depends on which seed
@@ -35,11 +32,11 @@ DIGITS_ARGS = ["--task", "digits", "--max-steps", "300", "--task-opt", "hidden=6
 
 def final_summary(argv: list[str], precision: str) -> dict[str, Any]:
     """Train one process on the CPU with `precision`; return the run's summary."""
-    config = parse_config([*argv, "--precision", precision, "--eval-every", "0", "--log-every", "1000"])
-    ctx = init_distributed(detect_env({}), device="cpu")
-    seed_everything(config.seed)
-    task = load_task(config.task, config)
-    return Trainer(config, task, ctx, resolve_precision(precision, ctx.device), QuietRunLog(1)).fit()
+    config = parse_command_line([*argv, "--precision", precision, "--eval-every", "0", "--log-every", "1000"]).config
+    with session_for(config) as session:
+        seed_everything(config.seed)
+        task = load_task(config.task, config)
+        return Trainer(session, config, task, QuietRunLog(1)).fit()
 
 
 @pytest.fixture(autouse=True)

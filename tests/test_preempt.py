@@ -18,10 +18,10 @@ from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.metrics import QuietRunLog
-from ddp_amp.guards import EXIT_PREEMPTED, PreemptionWatch, parse_signals, requeue_slurm_job
-from ddp_amp.amp import resolve_precision
+from ddp_amp.guards import EXIT_PREEMPTED, PreemptionWatch, requeue_slurm_job
+from ddp_amp.option_values import parse_signals
 from ddp_amp.tasks import load_task
-from ddp_amp.trainer import Trainer, seed_everything
+from ddp_amp.trainer import Trainer, seed_everything, session_for
 from ddp_amp.train import main
 from tests.multiproc import REPO_ROOT, cli_env, run_ranks
 from tests.slurm_cluster import Cluster
@@ -30,10 +30,10 @@ SMALL_MLP = ("in_size=16", "hidden=32", "out_size=4", "samples=512")
 
 
 def test_parse_signals_accepts_names_and_none() -> None:
-    assert parse_signals("USR1,sigterm,SIGUSR1") == (signal.SIGUSR1, signal.SIGTERM)
-    assert parse_signals("none") == ()
+    assert parse_signals("USR1,sigterm,SIGUSR1", "--preempt-signal") == (signal.SIGUSR1, signal.SIGTERM)
+    assert parse_signals("none", "--preempt-signal") == ()
     with pytest.raises(UsageError, match="--preempt-signal"):
-        parse_signals("USR1,KILL")
+        parse_signals("USR1,KILL", "--preempt-signal")
 
 
 def test_cli_rejects_an_unknown_signal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -48,7 +48,7 @@ class _SignalledTrainer(Trainer):
 
     def train_step(self) -> torch.Tensor:
         loss = super().train_step()
-        if self.ctx.rank == self.victim and self.step == self.at:
+        if self.session.rank == self.victim and self.step == self.at:
             os.kill(os.getpid(), self.signum)
         return loss
 
@@ -57,11 +57,10 @@ def _train_until_signalled(ctx: DistContext, checks: list[float]) -> list[dict[s
     records = []
     for check_s in checks:
         config = TrainConfig(task="mlp", device="cpu", task_opt=SMALL_MLP, batch_size=16, max_steps=5000,
-                             log_every=10_000, preempt_check_s=check_s, preempt_requeue="never")
+                             log_every=10_000, preempt_check_s=check_s, preempt_requeue="never", precision="fp32")
         seed_everything(config.seed)
         task = load_task(config.task, config)
-        trainer = _SignalledTrainer(config, task, ctx, resolve_precision("fp32", ctx.device),
-                                    QuietRunLog(ctx.rank))
+        trainer = _SignalledTrainer(session_for(config).start(), config, task, QuietRunLog(ctx.rank))
         records.append({**trainer.fit(),
                         "handler_restored": signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL})
         trainer = None  # free DDP before the next one (docs/facts.md: teardown)
@@ -167,7 +166,7 @@ def test_term_checkpoints_and_stops_without_requeue(tmp_path: Path) -> None:
 def test_signal_options_cannot_overlap() -> None:
     with pytest.raises(UsageError, match="cannot mean both requeue and stop"):
         TrainConfig(preempt_signal="USR1,TERM", stop_signal="TERM")
-    assert TrainConfig().signals() == ((signal.SIGUSR1,), (signal.SIGTERM,))
+    assert (TrainConfig().preempt_signal, TrainConfig().stop_signal) == ((signal.SIGUSR1,), (signal.SIGTERM,))
 
 
 def test_a_signal_during_start_up_is_kept_for_the_loop_instead_of_killing_the_process() -> None:

@@ -4,24 +4,25 @@ window itself is recorded in tests/test_trackers.py's two-rank run)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from ddp_amp import DistContext, DistEnv, UsageError
-from ddp_amp.command_line import parse_config
-from ddp_amp.trainer import build_trainer
+from ddp_amp import UsageError
+from ddp_amp.command_line import parse_command_line
+from ddp_amp.option_values import StepWindow
+from ddp_amp.trainer import build_trainer, session_for
 
 
 @pytest.mark.parametrize("window", ["3", "0:2", "5:4", "a:b", "2:3:4"])
 def test_a_window_must_be_steps_a_to_b(window: str) -> None:
     with pytest.raises(UsageError, match=r"--profile-steps='.*': expected A:B with 1 <= A <= B"):
-        parse_config(["--profile-steps", window])
-    assert parse_config(["--profile-steps", "2:2"]).profile_steps == "2:2"
+        parse_command_line(["--profile-steps", window]).config
+    assert parse_command_line(["--profile-steps", "2:2"]).config.profile_steps == StepWindow(2, 2)
 
 
 def test_a_memory_snapshot_needs_a_cuda_device() -> None:
-    config = parse_config(["--task", "mlp", "--device", "cpu", "--memory-snapshot", "--task-opt", "samples=256"])
+    config = parse_command_line(["--task", "mlp", "--device", "cpu", "--memory-snapshot", "--task-opt", "samples=256"]).config
     with pytest.raises(UsageError, match="--memory-snapshot=True: expected a CUDA device"):
-        build_trainer(config, DistContext(DistEnv(), torch.device("cpu"), None))
+        with session_for(config) as session:
+            build_trainer(session, config)
 
 
 @pytest.mark.cuda

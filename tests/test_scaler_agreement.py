@@ -14,7 +14,7 @@ from torch import nn
 
 from ddp_amp.bench.overhead import make_trainer
 from ddp_amp.bench.recipe import RecipeSize, make_batches
-from ddp_amp.command_line import parse_config
+from ddp_amp.command_line import parse_command_line
 from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.amp import Precision
@@ -81,7 +81,7 @@ def test_one_rank_changing_its_gradient_after_the_reduction_still_agrees() -> No
 
 
 def test_fast_path_options_are_validated() -> None:
-    config = parse_config(["--grad-comm-dtype", "bf16", "--static-graph", "--optimizer-impl", "foreach"])
+    config = parse_command_line(["--grad-comm-dtype", "bf16", "--static-graph", "--optimizer-impl", "foreach"]).config
     assert (config.grad_comm_dtype, config.static_graph, config.optimizer_impl) == ("bf16", True, "foreach")
     with pytest.raises(UsageError, match="--grad-comm-dtype"):
-        parse_config(["--grad-comm-dtype", "fp8"])
+        parse_command_line(["--grad-comm-dtype", "fp8"]).config

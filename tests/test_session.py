@@ -93,8 +93,10 @@ def test_save_load_round_trip_restores_model_optimizer_scaler(tmp_path: Path) ->
         saved_scale = session.scaler.get_scale()
         saved_weights = {k: v.clone() for k, v in session.unwrap(model).state_dict().items()}
     assert saved_scale == 2048.0
-    state = torch.load(path / "state.pt", weights_only=True)
-    assert not any(key.startswith("module.") for key in state["model"])  # unwrapped names
+    # The one layout: each module in a file of its own, unwrapped names; the rest in state.pt.
+    weights = torch.load(path / "model.pt", weights_only=True)
+    assert set(weights) == set(saved_weights) and not any(key.startswith("module.") for key in weights)
+    assert set(torch.load(path / "state.pt", weights_only=True)) == {"optimizer", "step", "scaler"}
 
     with Session("fp16", "cpu", environ={}) as session:
         torch.manual_seed(1)

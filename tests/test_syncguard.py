@@ -13,9 +13,9 @@ from ddp_amp.distributed import DistContext, wrap_ddp
 from ddp_amp.errors import TrainingHalted
 from ddp_amp.guards import OverflowProbe
 from ddp_amp.metrics import make_run_log
-from ddp_amp.amp import resolve_precision
 from ddp_amp.tasks import load_task
-from ddp_amp.trainer import Trainer, seed_everything
+from ddp_amp.session import Session
+from ddp_amp.trainer import Trainer, seed_everything, session_for
 from tests.multiproc import run_ranks
 
 
@@ -26,12 +26,12 @@ def _train_then_perturb(ctx: DistContext) -> dict[str, object]:
     task = load_task("mlp", config)
     with tempfile.TemporaryDirectory() as run_dir:
         run_log = make_run_log(ctx.rank, Path(run_dir))
-        trainer = Trainer(config, task, ctx, resolve_precision("fp16", ctx.device), run_log)
+        trainer = Trainer(session_for(config).start(), config, task, run_log)
         trainer.fit()  # checks at steps 2 and 4 pass: DDP keeps the replicas equal
         trainer.watch.after_resume(trainer.step)  # and the post-resume check passes too
         if ctx.rank == 1:
             with torch.no_grad():
-                trainer.autocast_model.unwrap()[2].bias[0] += 1e-3  # drift on one rank only
+                Session.unwrap(trainer.model)[2].bias[0] += 1e-3  # drift on one rank only
         message = ""
         try:
             trainer.watch.after_resume(trainer.step)

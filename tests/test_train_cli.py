@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.command_line import build_parser, parse_config
+from ddp_amp.command_line import build_parser, parse_command_line
 from ddp_amp.errors import UsageError
 from ddp_amp.train import main
 from tests.multiproc import cli_env, run_train
@@ -111,11 +111,11 @@ def test_every_option_has_help_text() -> None:
 ])
 def test_run_options_are_checked(argv: list[str], match: str) -> None:
     with pytest.raises(UsageError, match=match):
-        parse_config(argv)
+        parse_command_line(argv).config
 
 
 def test_allow_change_takes_flag_or_field_names() -> None:
-    config = parse_config(["--allow-change=--task-opt,seed", "--optimizer", "sgd"])
-    assert config.allowed_changes() == ("task_opt", "seed")
+    config = parse_command_line(["--allow-change=--task-opt,seed", "--optimizer", "sgd"]).config
+    assert config.allow_change == ("task_opt", "seed")
     help_text = build_parser().format_help()
     assert "[must match on resume]" in help_text and "--allow-change" in help_text

@@ -11,9 +11,8 @@ from ddp_amp.amp import unwrap_model
 from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import DistContext
 from ddp_amp.metrics import QuietRunLog
-from ddp_amp.amp import resolve_precision
 from ddp_amp.tasks import Task, load_task
-from ddp_amp.trainer import Trainer, seed_everything
+from ddp_amp.trainer import Trainer, seed_everything, session_for
 from tests.multiproc import run_ranks
 
 SMALL_MLP = ("in_size=16", "hidden=32", "out_size=4", "samples=512")
@@ -24,7 +23,7 @@ def _build(ctx: DistContext, options: dict[str, Any], task: Task | None = None) 
     seed_everything(config.seed)
     task = task or load_task(config.task, config)
     seed_everything(config.seed + ctx.rank)
-    return Trainer(config, task, ctx, resolve_precision(config.precision, ctx.device), QuietRunLog(ctx.rank))
+    return Trainer(session_for(config).start(), config, task, QuietRunLog(ctx.rank))
 
 
 def _train_and_return_weights(ctx: DistContext, options: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 from pathlib import Path
 from typing import Any
@@ -10,14 +12,13 @@ import pytest
 import torch
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.command_line import parse_config
+from ddp_amp.command_line import parse_command_line
 from ddp_amp.distributed import DistContext, init_distributed
 from ddp_amp.env import detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.metrics import QuietRunLog
-from ddp_amp.amp import resolve_precision
 from ddp_amp.tasks import load_task
-from ddp_amp.trainer import Trainer, seed_everything
+from ddp_amp.trainer import Trainer, seed_everything, session_for
 from tests.multiproc import run_ranks, run_train
 
 # The example plugin: 2048 points, 409 held out (odd, so 2 ranks cannot split it evenly).
@@ -31,10 +32,10 @@ def read_records(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 def untrained_metrics(ctx: DistContext, argv: list[str]) -> dict[str, float]:
     """evaluate() of a freshly built task on this rank's world (collective)."""
-    config = parse_config(argv)
+    config = parse_command_line(argv).config
     seed_everything(config.seed)
     task = load_task(config.task, config)
-    trainer = Trainer(config, task, ctx, resolve_precision("fp32", ctx.device), QuietRunLog(ctx.rank))
+    trainer = Trainer(session_for(replace(config, precision="fp32")).start(), config, task, QuietRunLog(ctx.rank))
     return trainer.evaluate()
 
 
@@ -78,7 +79,7 @@ def test_default_run_trains_lm_and_its_held_out_perplexity_falls(tmp_path: Path)
 def test_eval_every_is_validated() -> None:
     with pytest.raises(UsageError, match="--eval-every"):
         TrainConfig(eval_every=-1)
-    assert parse_config(["--eval-every", "0"]).eval_every == 0
+    assert parse_command_line(["--eval-every", "0"]).config.eval_every == 0
 
 
 def test_evaluating_does_not_change_the_training_trajectory() -> None:
@@ -88,10 +89,10 @@ def test_evaluating_does_not_change_the_training_trajectory() -> None:
             "--task-opt", "dropout=0.3"]
     losses = []
     for every in ("0", "2"):
-        config = parse_config([*argv, "--eval-every", every])
-        ctx = init_distributed(detect_env({}), device="cpu")
-        seed_everything(config.seed)
-        task = load_task(config.task, config)
-        trainer = Trainer(config, task, ctx, resolve_precision("fp32", ctx.device), QuietRunLog(1))
-        losses.append(trainer.fit()["loss"])
+        config = parse_command_line([*argv, "--eval-every", every]).config
+        config = replace(config, precision="fp32", device="cpu")
+        with session_for(config) as session:
+            seed_everything(config.seed)
+            task = load_task(config.task, config)
+            losses.append(Trainer(session, config, task, QuietRunLog(1)).fit()["loss"])
     assert losses[0] == losses[1]

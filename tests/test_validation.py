@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ddp_amp.config import TrainConfig, flag_of
-from ddp_amp.command_line import parse_config
+from ddp_amp.command_line import parse_command_line
 from ddp_amp.errors import UsageError
 from ddp_amp.train import main
 from tests.multiproc import run_train
@@ -28,7 +28,7 @@ def test_the_table_covers_every_numeric_option() -> None:
 def test_numeric_option_is_refused_in_one_line_or_means_what_help_says(name: str, raw: str) -> None:
     flag = flag_of(name)
     try:
-        config = parse_config([f"{flag}={raw}"])
+        config = parse_command_line([f"{flag}={raw}"]).config
     except UsageError as error:
         assert "\n" not in str(error) and str(error).startswith(flag), str(error)
         return

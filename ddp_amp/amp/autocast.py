@@ -1,9 +1,10 @@
 """The autocast-inside-forward wrapper that sits inside DDP.
 
-Autocast state is thread-local: `with torch.autocast(...)` around a call in the main thread
+Autocast state is thread-local: an autocast region entered around a call in the main thread
 does not reach a forward that runs in another thread (DataParallel replicas, a user's
 worker threads). Entering autocast inside the module's own forward makes it hold wherever
-the forward runs. Placement: ``DDP(AutocastModule(user_model))``.
+the forward runs. Placement: ``DDP(AutocastModule(user_model))``. The module holds the run's
+`Precision`, whose `autocast()` is the one place ddp_amp enters autocast.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ddp_amp.amp.precision import Precision
 
 
 def _to_fp32(value: Any) -> Any:
@@ -35,32 +38,19 @@ def _to_fp32(value: Any) -> Any:
 
 
 class AutocastModule(nn.Module):
-    """Runs the wrapped module's forward under `torch.autocast(device_type, dtype)`."""
+    """Runs the wrapped module's forward under the precision's autocast, in whatever thread calls it."""
 
-    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype,
-                 enabled: bool = True, cast_outputs_to_fp32: bool = False) -> None:
+    def __init__(self, module: nn.Module, precision: Precision, cast_outputs_to_fp32: bool = False) -> None:
         super().__init__()
         self.module = module
-        self.device_type = device_type
-        self.dtype = dtype
-        self.enabled = enabled
+        self.precision = precision
         self.cast_outputs_to_fp32 = cast_outputs_to_fp32
 
-    def _already_in_effect(self) -> bool:
-        """Does this thread already run under the autocast this module asks for?"""
-        if not torch.is_autocast_enabled(self.device_type):
-            return not self.enabled
-        return self.enabled and torch.get_autocast_dtype(self.device_type) == self.dtype
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # Where the caller's thread is already in the same autocast state (the Trainer runs
-        # forward and loss in one region, as the recipe does), entering it again would only
-        # cost host time; any other thread, or another state, gets this module's own.
-        if self._already_in_effect():
+        # Where the caller's thread already runs in this autocast state (the Trainer enters
+        # it around forward and loss, as the recipe does), the precision hands back a no-op.
+        with self.precision.autocast():
             output = self.module(*args, **kwargs)
-        else:
-            with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
-                output = self.module(*args, **kwargs)
         return _to_fp32(output) if self.cast_outputs_to_fp32 else output
 
     def unwrap(self) -> nn.Module:
@@ -68,7 +58,7 @@ class AutocastModule(nn.Module):
         return self.module
 
     def extra_repr(self) -> str:
-        return f"device_type={self.device_type!r}, dtype={self.dtype}, enabled={self.enabled}"
+        return f"precision={self.precision.name}, device_type={self.precision.device_type!r}"
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

@@ -1,7 +1,11 @@
 """Which precision a run uses, and why: `--precision auto|fp32|bf16|fp16|fp8` resolved per device.
 
-A `Precision` owns the autocast settings and builds the matching scaler, so the loop never
-branches on dtype: bf16, fp8 and fp32 get a disabled scaler whose calls pass straight
+A `Precision` is the one object that knows what a precision means. It is the only place in
+ddp_amp that enters `torch.autocast` (`Precision.autocast`: the autocast-inside-forward
+wrapper, the Trainer's step and `Session.autocast` all go through it), it builds the
+matching scaler, and it answers the questions other layers would otherwise ask of its name
+(does it scale the loss, what do its matmuls run in, what to try when it diverges). So no
+layer branches on dtype: bf16, fp8 and fp32 get a disabled scaler whose calls pass straight
 through. fp8 is bf16 autocast plus float8 linear layers (float8.py), which `wrap_model`
 converts.
 """
@@ -53,14 +57,34 @@ class Precision:
         return self.name == "fp8"
 
     def autocast(self) -> AbstractContextManager[Any]:
-        """Autocast for this thread only: use it for eval or a loss, not for a model's forward.
+        """This precision's autocast for the calling thread (autocast state is thread-local).
 
-        fp32 outside any autocast region gets a no-op context: entering even a disabled
-        autocast costs several microseconds of host time per call.
+        Where the thread already runs in exactly this state (the Trainer enters it around
+        forward and loss, and the wrapper's forward inside asks again), or where fp32 runs
+        outside any autocast region, a shared no-op context comes back: entering autocast,
+        even a disabled one, costs host time on every call (docs/facts.md, host time).
         """
-        if not self.autocast_enabled and not torch.is_autocast_enabled(self.device_type):
+        if torch.is_autocast_enabled(self.device_type):
+            if self.autocast_enabled and torch.get_autocast_dtype(self.device_type) == self.dtype:
+                return _NOTHING
+        elif not self.autocast_enabled:
             return _NOTHING
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.autocast_enabled)
+
+    def matmul_kind(self) -> str:
+        """What the model's matmuls run in, the key of a device's peak rate: fp8, bf16, fp16,
+        tf32 (fp32 with torch's TF32 matmuls on), or fp32."""
+        if self.name == "fp32" and self.device_type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+            return "tf32"
+        return self.name
+
+    @property
+    def divergence_advice(self) -> str:
+        """What to try when a run in this precision goes non-finite (the guards' hint)."""
+        if self.uses_loss_scaling:
+            return ("Try --precision bf16 (fp32's exponent range, no loss scaling), a lower --lr, "
+                    "or --clip-grad-norm 1.0.")
+        return "Try a lower --lr or --clip-grad-norm 1.0."
 
     def make_scaler(self, **scaler_options: float | int) -> AgreedGradScaler:
         """The run's one scaler: rank-agreeing under fp16, a pass-through otherwise."""

@@ -32,8 +32,7 @@ def wrap_model(model: nn.Module, precision: Precision, device: torch.device, *, 
         inner = convert_linears(inner, emulate=precision.emulate_fp8)
     if compile_model:
         inner = torch.compile(inner)
-    wrapped = AutocastModule(inner, precision.device_type, precision.dtype,
-                             enabled=precision.autocast_enabled, cast_outputs_to_fp32=cast_outputs_to_fp32)
+    wrapped = AutocastModule(inner, precision, cast_outputs_to_fp32=cast_outputs_to_fp32)
     if not distributed:
         return wrapped
     return wrap_ddp(wrapped, device, comm_hook=comm_hook, **ddp_options)

@@ -2,7 +2,7 @@
 
     python -m ddp_amp.bench                         # all sections; recipe sizes on a GPU
     python -m ddp_amp.bench --sections recipe       # only the AMP recipe trials
-    python -m ddp_amp.bench --sections host --check # the Trainer's host time; exit 1 off target
+    python -m ddp_amp.bench --sections host --check # Trainer and Session host time; exit 1 off target
     python -m ddp_amp.bench --sections transformer  # GPT-2 small: tokens/s, memory, MFU (GPU)
     python -m ddp_amp.bench --sections checkpoint --scale 1  # async vs sync save stall, 101M params
     python -m ddp_amp.bench --json bench.json       # also write the figures as JSON
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark ddp_amp: (recipe) the PyTorch AMP recipe's fp32 vs autocast fp16 + "
         "GradScaler vs autocast bf16 trials, each in a fresh process: total time, time per step, peak "
         "memory (CUDA max_memory_allocated, CPU peak RSS), speed-up over fp32, TFLOP/s and MFU on known "
-        "GPUs; (host) the Trainer's own host time per step against the hand-written AMP loop on a micro "
+        "GPUs; (host) the host time per step of the Trainer and of a Session loop against the hand-written AMP loop on a micro "
         "model (2 x Linear(16,16), batch 8) whose compute is negligible, fp32/bf16/fp16, without and with "
         "a process group of one, one thread, interleaved, against the target ratio; (overhead) the "
         "hand-written recipe loop vs ddp_amp's Trainer, interleaved in blocks, as "

@@ -37,20 +37,18 @@ from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import DistContext, init_distributed
 from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.env import DistEnv
-from ddp_amp.trainer import Trainer, build_trainer
+from ddp_amp.trainer import Trainer, build_trainer, session_for
 
 # The async-vs-sync size: the mlp task's 8 layers of width 4096 hold 101M parameters.
 ASYNC_HIDDEN, ASYNC_LAYERS = 4096, 8
 
 
-def _trainer(hidden: int, layers: int, root: Path, device: str, async_checkpoint: bool = False,
-             ctx: DistContext | None = None) -> Trainer:
+def _trainer(hidden: int, layers: int, root: Path, device: str, async_checkpoint: bool = False) -> Trainer:
     config = TrainConfig(task="mlp", task_opt=(f"hidden={hidden}", f"layers={layers}", "samples=1024"),
                          batch_size=64, device=device, precision="fp32", keep_last=1, log_every=10**6,
                          # the bench calls the saves itself; a cadence is what the option requires
                          async_checkpoint=async_checkpoint, ckpt_every=10**6 if async_checkpoint else 0)
-    ctx = ctx or init_distributed(DistEnv(), device=device)  # type: ignore[arg-type]
-    return build_trainer(config, ctx, checkpoint_root=root)
+    return build_trainer(session_for(config).start(), config, checkpoint_root=root)
 
 
 def run_checkpoint_bench(hidden: int = 1024, layers: int = 4, repeats: int = 7,
@@ -64,15 +62,13 @@ def run_checkpoint_bench(hidden: int = 1024, layers: int = 4, repeats: int = 7,
         for _ in range(repeats):
             trainer.train_step()  # a new step, so save_checkpoint really writes
             started = time.perf_counter()
-            path = trainer.save_checkpoint()
+            path = trainer.checkpoints.save(trainer.step, trainer.samples_seen)
             stalls.append(time.perf_counter() - started)
-            if path is None:
-                raise RuntimeError(f"checkpoint save failed: {trainer.checkpoint_error}")
             started = time.perf_counter()
-            torch.save({"model": trainer.autocast_model.unwrap().state_dict(),
+            torch.save({"model": trainer.session.unwrap(trainer.model).state_dict(),
                         "optimizer": trainer.optimizer.state_dict()}, root / "bare.pt")
             bares.append(time.perf_counter() - started)
-        state_bytes = sum(p.stat().st_size for p in path.iterdir())
+        state_bytes = sum(p.stat().st_size for p in path.iterdir())  # type: ignore[union-attr]
         ratios = [stall / bare for stall, bare in zip(stalls, bares)]
         return {
             "item": "checkpoint_save_stall",
@@ -101,7 +97,7 @@ def _timed(work: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
 
 def _committed(path: Path | None, trainer: Trainer) -> Path:
     if path is None:
-        raise RuntimeError(f"checkpoint save failed: {trainer.checkpoint_error}")
+        raise RuntimeError(f"checkpoint save failed: {trainer.checkpoints.error}")
     return path
 
 
@@ -113,7 +109,7 @@ def _async_pairs(ctx: DistContext, hidden: int, layers: int, pairs: int, directo
     """
     device = ctx.device
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
-        trainer = _trainer(hidden, layers, Path(scratch) / "checkpoints", device.type, True, ctx)
+        trainer = _trainer(hidden, layers, Path(scratch) / "checkpoints", device.type, True)
         trainer.train_step()  # optimizer state exists from here on
         times: dict[str, list[float]] = {"sync": [], "async": [], "step": [], "step_writing": [], "to_commit": []}
         path = None
@@ -121,13 +117,14 @@ def _async_pairs(ctx: DistContext, hidden: int, layers: int, pairs: int, directo
             for mode in ("sync", "async") if pair % 2 == 0 else ("async", "sync"):
                 times["step"].append(_timed(trainer.train_step, device)[1])
                 if mode == "sync":
-                    path, seconds = _timed(trainer.save_checkpoint, device)
+                    path, seconds = _timed(lambda: trainer.checkpoints.save(trainer.step, trainer.samples_seen), device)
                     times["sync"].append(seconds)
                     _committed(path, trainer)
                     continue
-                times["async"].append(_timed(trainer.start_checkpoint, device)[1])
+                times["async"].append(_timed(lambda: trainer.checkpoints.save(trainer.step, trainer.samples_seen,
+                                                                             background=True), device)[1])
                 writing = _timed(trainer.train_step, device)[1]
-                path, waited = _timed(trainer.wait_for_checkpoint, device)
+                path, waited = _timed(trainer.checkpoints.wait, device)
                 times["step_writing"].append(writing)
                 times["to_commit"].append(writing + waited)
                 _committed(path, trainer)
@@ -152,8 +149,8 @@ def _async_pairs(ctx: DistContext, hidden: int, layers: int, pairs: int, directo
 def run_async_bench(hidden: int = ASYNC_HIDDEN, layers: int = ASYNC_LAYERS, pairs: int = 5,
                     directory: str | None = None, device: str = "cpu") -> dict[str, Any]:
     """Loop stall of a background save against a synchronous one, in this process."""
-    ctx = init_distributed(DistEnv(), device=device)  # type: ignore[arg-type]
-    return _async_pairs(ctx, hidden, layers, pairs, directory)
+    return _async_pairs(init_distributed(DistEnv(), device=device), hidden, layers, pairs,  # type: ignore[arg-type]
+                        directory)
 
 
 def run(device: str, scale: float, pairs: int, threads: int = 0, directory: str | None = None) -> dict[str, Any]:

@@ -6,42 +6,84 @@ dispatch work the Trainer adds: exactly what a fast GPU step pays on top of the 
 (the GPU waits for the host when the host is slower). It is measured on any machine, CPU
 included, with one thread and the contenders interleaved in one process (stats.py).
 
-Rows: fp32, bf16 and fp16, each without a process group (plain module, no DDP) and with a
-group of one (the DDP path, gloo on CPU). Each row reports Trainer / hand (median of paired
-block ratios) and the extra microseconds per step, against the target ratio.
+Contenders, interleaved in one process: the hand loop; the Trainer's step; and a loop
+written on `Session`, as the README's Library API shows it (`session.autocast()`, forward
+and loss, `session.backward`, `session.step`, `zero_grad`). Rows: fp32, bf16 and fp16,
+each without a process group (plain module, no DDP) and with a group of one (the DDP
+path, gloo on CPU), once for the Trainer and once for the Session loop. Each row reports
+loop / hand (median of paired block ratios) and the extra microseconds per step, against
+the target ratio.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from ddp_amp.bench.overhead import measure_contenders
-from ddp_amp.bench.recipe import RecipeSize
+import torch
+from torch import nn
+
+from ddp_amp.amp import Precision
+from ddp_amp.bench.overhead import N_BATCHES, hand_like, make_trainer
+from ddp_amp.bench.recipe import RecipeSize, make_batches, seeded_model
+from ddp_amp.bench.stats import interleave, median_ms, paired_ratio
 from ddp_amp.distributed import DistContext
 from ddp_amp.distributed.spawn import run_ranks
+from ddp_amp.session import Session
 
 MICRO = RecipeSize(width=16, batch=8, layers=2)
 PRECISIONS = ("fp32", "bf16", "fp16")
-# Trainer / hand in every row. The same on a GPU, where the micro model's step is all host
-# time (the recipe model's stricter 1.02 is the overhead section's to show).
+# Trainer / hand and Session loop / hand in every row. The same on a GPU, where the micro
+# model's step is all host time (the recipe model's stricter 1.02 is the overhead section's).
 TARGET = 1.05
 BLOCKS, STEPS_PER_BLOCK = 30, 60  # ~0.2 ms steps: 2 x 30 x 60 steps is about a second a row
 
 
+def session_loop(ctx: DistContext, precision: Precision, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                 fused: bool) -> Callable[[], torch.Tensor]:
+    """One step of a loop written on `Session` over `batches`, the hand loop's model and optimizer.
+
+    The session joins `ctx`'s group, which stays the caller's.
+    """
+    session = Session(precision.name, ctx.device.type, ctx.backend or "auto").start()  # type: ignore[arg-type]
+    model = session.setup(seeded_model(MICRO, ctx.device))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, **({"fused": True} if fused else {"foreach": True}))
+    cycle = itertools.cycle(batches)
+
+    def step() -> torch.Tensor:
+        inputs, target = next(cycle)
+        with session.autocast():
+            loss = nn.functional.mse_loss(model(inputs), target)
+        session.backward(loss)
+        session.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
 def _rows(ctx: DistContext, blocks: int, steps: int) -> list[dict[str, Any]]:
-    """Collective: one row per precision on this group (or none)."""
+    """Collective: a Trainer row and a Session row per precision on this group (or none)."""
     rows = []
-    for precision in PRECISIONS:
-        measured = measure_contenders(ctx, MICRO, precision, blocks, steps)
-        hand, trainer = measured["times"]
-        extra_us = 1e6 * statistics.median(t - h for h, t in zip(hand, trainer))
-        rows.append({"precision": precision, "ddp": ctx.has_group, "ranks": ctx.world_size,
-                     "step_us": {"hand": 1e3 * measured["step_ms"]["hand"],
-                                 "trainer": 1e3 * measured["step_ms"]["trainer"]},
-                     "trainer_over_hand": measured["trainer_over_hand"], "extra_us": extra_us,
-                     "target": TARGET})
+    for name in PRECISIONS:
+        precision = Precision(name, ctx.device.type)  # type: ignore[arg-type]
+        batches = make_batches(MICRO, N_BATCHES, ctx.device, seed=1 + ctx.rank)
+        cycle = itertools.cycle(batches)
+        trainer = make_trainer(ctx, MICRO, precision, batches)
+        hand = hand_like(ctx, MICRO, precision, trainer)
+        contenders = {"hand": lambda: hand.step(next(cycle)), "trainer": trainer.train_step,
+                      "session": session_loop(ctx, precision, batches, fused=bool(hand.optimizer.defaults.get("fused")))}
+        interleave(list(contenders.values()), 1, 3, ctx.device)  # warm-up, not counted
+        times = dict(zip(contenders, interleave(list(contenders.values()), blocks, steps, ctx.device)))
+        for loop in ("trainer", "session"):
+            rows.append({"loop": loop, "precision": name, "ddp": ctx.has_group, "ranks": ctx.world_size,
+                         "step_us": {"hand": 1e3 * median_ms(times["hand"]), loop: 1e3 * median_ms(times[loop])},
+                         "over_hand": paired_ratio(times["hand"], times[loop]),
+                         "extra_us": 1e6 * statistics.median(t - h for h, t in zip(times["hand"], times[loop])),
+                         "target": TARGET})
     return rows
 
 
@@ -51,6 +93,6 @@ def run(device: str, blocks: int = BLOCKS, steps: int = STEPS_PER_BLOCK) -> dict
     for backend in ("auto", "gloo" if device == "cpu" else "nccl"):  # auto: no group for one process
         rows += run_ranks(_rows, 1, blocks, steps, device=device, threads=1, backend=backend, timeout=900)[0]
     for row in rows:
-        row["meets_target"] = row["trainer_over_hand"]["median"] <= row["target"]
+        row["meets_target"] = row["over_hand"]["median"] <= row["target"]
     return {"size": asdict(MICRO), "blocks": blocks, "steps_per_block": steps, "rows": rows,
             "meets_targets": all(row["meets_target"] for row in rows)}

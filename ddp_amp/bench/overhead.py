@@ -29,7 +29,7 @@ from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import DistContext
 from ddp_amp.amp import Precision
 from ddp_amp.tasks import Task
-from ddp_amp.trainer import Trainer, build_trainer
+from ddp_amp.trainer import Trainer, build_trainer, session_for
 
 TINY = RecipeSize(width=256, batch=64, layers=2)  # Python overhead dominates its step
 N_BATCHES = 8  # distinct pre-made batches per rank, cycled
@@ -47,29 +47,30 @@ def trainer_on_batches(ctx: DistContext, model: nn.Module, loss_fn: Callable[[An
                        optimizer: str, **options: Any) -> Trainer:
     """A Trainer on `model` whose data stream cycles through `batches` (already on the device).
 
-    `options` are further `TrainConfig` fields (compile, static_graph, ...).
+    `options` are further `TrainConfig` fields (compile, static_graph, ...). The Trainer's
+    session joins `ctx`'s group (it stays the caller's) and lives as long as the process.
     """
     config = TrainConfig(batch_size=batches[0][0].shape[0] * ctx.world_size, max_steps=10**9,
                          log_every=10**9, optimizer=optimizer, lr=1e-3, precision=precision.name,
-                         fp8_emulate=precision.emulate_fp8, device=ctx.device.type, **options)
+                         fp8_emulate=precision.emulate_fp8, device=ctx.device.type, backend=ctx.backend or "auto",
+                         **options)
     inputs = torch.cat([x.cpu() for x, _ in batches])
     targets = torch.cat([y.cpu() for _, y in batches])
     task = Task(model=model, train_data=TensorDataset(inputs, targets), loss_fn=loss_fn, name="bench")
-    trainer = build_trainer(config, ctx, task=task, precision=precision)
+    trainer = build_trainer(session_for(config).start(), config, task=task)
     trainer.stream = itertools.cycle(batches)  # type: ignore[assignment]
     return trainer
 
 
-def _hand_like(ctx: DistContext, size: RecipeSize, precision: Precision, trainer: Trainer) -> HandLoop:
+def hand_like(ctx: DistContext, size: RecipeSize, precision: Precision, trainer: Trainer) -> HandLoop:
     """The hand loop with the Trainer's optimizer kernels and DDP options."""
     fused = bool(trainer.optimizer.defaults.get("fused"))
     return HandLoop(seeded_model(size, ctx.device), precision, ctx.device, ctx.has_group,
                     fused=fused, bucket_view=True)
 
 
-def measure_contenders(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: int,
-                       steps: int) -> dict[str, Any]:
-    """Hand loop against Trainer on `size`, interleaved; with the per-block `times` (hand, trainer).
+def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: int, steps: int) -> dict[str, Any]:
+    """Hand loop against Trainer on `size`, interleaved.
 
     Collective: every rank runs the same interleaved schedule; rank 0's timings count.
     """
@@ -77,7 +78,7 @@ def measure_contenders(ctx: DistContext, size: RecipeSize, precision_name: str, 
     batches = make_batches(size, N_BATCHES, ctx.device, seed=1 + ctx.rank)
     cycle = itertools.cycle(batches)
     trainer = make_trainer(ctx, size, precision, batches)
-    hand = _hand_like(ctx, size, precision, trainer)
+    hand = hand_like(ctx, size, precision, trainer)
     names = ["hand", "trainer"]
     contenders = [lambda: hand.step(next(cycle)), lambda: trainer.train_step()]
     interleave(contenders, 1, 3, ctx.device)  # warm-up, not counted
@@ -87,15 +88,8 @@ def measure_contenders(ctx: DistContext, size: RecipeSize, precision_name: str, 
         "blocks": blocks, "steps_per_block": steps,
         "step_ms": {name: median_ms(t) for name, t in zip(names, times)},
         "trainer_over_hand": paired_ratio(times[0], times[1]),
-        "agreements": trainer.scaler.agreements,
-        "times": times,
+        "agreements": trainer.session.scaler.agreements,
     }
-    return result
-
-
-def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: int, steps: int) -> dict[str, Any]:
-    result = measure_contenders(ctx, size, precision_name, blocks, steps)
-    del result["times"]
     return result
 
 
@@ -111,9 +105,9 @@ def _agreement_cost(ctx: DistContext, blocks: int, steps: int) -> dict[str, Any]
     batches = make_batches(TINY, N_BATCHES, ctx.device, seed=1 + ctx.rank)
     unagreed = make_trainer(ctx, TINY, precision, batches)
     agreed = make_trainer(ctx, TINY, precision, batches)
-    unagreed.scaler.agree_with_peers = False  # on every rank alike: a measurement, not a run
-    for trainer in (unagreed, agreed):
-        trainer.autocast_model.enabled = False
+    unagreed.session.scaler.agree_with_peers = False  # on every rank alike: a measurement, not a run
+    for trainer in (unagreed, agreed):  # the forward in fp32; the scaler keeps scaling
+        trainer.session.local_module(trainer.model).precision = Precision("fp32", ctx.device.type)
     contenders = [lambda: unagreed.train_step(), lambda: agreed.train_step()]
     interleave(contenders, 1, 3, ctx.device)
     # The steps are short: more and longer blocks for the same wall time.
@@ -122,7 +116,7 @@ def _agreement_cost(ctx: DistContext, blocks: int, steps: int) -> dict[str, Any]
             "blocks": 2 * blocks, "steps_per_block": 4 * steps,
             "step_ms": {"unagreed": median_ms(times[0]), "agreed": median_ms(times[1])},
             "agreed_over_unagreed": paired_ratio(times[0], times[1]),
-            "agreements": agreed.scaler.agreements}
+            "agreements": agreed.session.scaler.agreements}
 
 
 def _measure_both(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: int,

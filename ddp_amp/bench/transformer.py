@@ -46,7 +46,7 @@ def step_flops(shape: GPTShape, precision: Precision, device: torch.device) -> i
     tokens, targets = token_batches(shape, 1, device, seed=1)[0]
 
     def step() -> None:
-        with torch.autocast(device.type, dtype=precision.dtype, enabled=precision.autocast_enabled):
+        with precision.autocast():
             loss = next_token_loss(model(tokens), targets)
         loss.backward()
 

@@ -1,6 +1,6 @@
 """Checkpoints that survive crashes: commit protocol, discovery, safe loading, agreement.
 
-    from ddp_amp.checkpoint import save_checkpoint, read_agreed, newest_complete
+    from ddp_amp.checkpoint import save_directory, read_agreed, newest_complete
 
 - `commit`: a directory appears whole or not at all (temporary directory, fsync, manifest,
   rename); retention deletes old checkpoints only after a new one is committed;
@@ -21,14 +21,13 @@ from ddp_amp.checkpoint.background import BackgroundSaver, FinishedWrite
 from ddp_amp.checkpoint.best import BEST_FILE, BestRecord, read_best, write_best
 from ddp_amp.checkpoint.commit import apply_retention, commit_checkpoint, commit_directory
 from ddp_amp.checkpoint.discovery import (checkpoint_root, complete_copy, list_step_dirs, newest_complete,
-                                          resolve_resume, step_dir_name)
+                                          resolve_resume, step_dir_name, step_of)
 from ddp_amp.checkpoint.load import (LoadedCheckpoint, choose_checkpoint, read_agreed, read_checkpoint,
                                      restore_own_rng, restore_scaler)
 from ddp_amp.checkpoint.manifest import IncompleteCheckpoint, verify_checkpoint
 from ddp_amp.checkpoint.rng import capture_rng, gather_rng_states, restore_rng
 from ddp_amp.checkpoint.safe_types import check_loadable, safe_load
-from ddp_amp.checkpoint.save import (META_FILE, RNG_FILE, CheckpointError, SaveResult, ensure_writable,
-                                     save_checkpoint, save_directory)
+from ddp_amp.checkpoint.save import META_FILE, RNG_FILE, CheckpointError, SaveResult, ensure_writable, save_directory
 
 __all__ = [
     "BEST_FILE", "META_FILE", "RNG_FILE", "BackgroundSaver", "BestRecord", "CheckpointError", "FinishedWrite",
@@ -36,6 +35,6 @@ __all__ = [
     "apply_retention", "capture_rng", "check_loadable", "checkpoint_root", "choose_checkpoint",
     "commit_checkpoint", "commit_directory", "complete_copy", "ensure_writable", "gather_rng_states",
     "list_step_dirs", "newest_complete", "read_agreed", "read_checkpoint", "resolve_resume",
-    "restore_own_rng", "restore_rng", "restore_scaler", "safe_load", "save_checkpoint", "save_directory",
-    "step_dir_name", "verify_checkpoint",
+    "restore_own_rng", "restore_rng", "restore_scaler", "safe_load", "save_directory",
+    "step_dir_name", "step_of", "verify_checkpoint",
 ]

@@ -31,9 +31,8 @@ from typing import Any
 
 import torch
 
-from ddp_amp.checkpoint.discovery import step_dir_name
 from ddp_amp.checkpoint.rng import gather_rng_states
-from ddp_amp.checkpoint.save import build_contents, commit_outcome, commit_step
+from ddp_amp.checkpoint.save import build_contents, commit_outcome, commit_to
 from ddp_amp.checkpoint.staging import HostStaging
 from ddp_amp.distributed import on_rank_zero
 from ddp_amp.errors import CheckpointError
@@ -43,7 +42,7 @@ from ddp_amp.errors import CheckpointError
 class FinishedWrite:
     """A background write's outcome, the same on every rank: the path, or why there is none."""
 
-    step: int
+    target: Path
     path: Path | None
     error: CheckpointError | None
     write_s: float  # rank 0's time from the thread's start to the commit (or the failure)
@@ -51,9 +50,8 @@ class FinishedWrite:
 
 @dataclass
 class _Write:
-    """One write in flight: its step on every rank; its thread and outcome on rank 0 only."""
+    """One write in flight: its target on every rank; its thread and outcome on rank 0 only."""
 
-    step: int
     target: Path
     thread: threading.Thread | None = None
     outcome: tuple[str | None, CheckpointError | None] | None = None
@@ -77,7 +75,7 @@ class _Write:
         if self.error is not None:
             raise self.error
         if self.outcome is None:  # staging failed before a thread started: start() raised then
-            raise RuntimeError(f"checkpoint step {self.step}: no writer ran, so there is no outcome to learn")
+            raise RuntimeError(f"checkpoint {self.target}: no writer ran, so there is no outcome to learn")
         return (*self.outcome, self.seconds)
 
 
@@ -89,26 +87,26 @@ class BackgroundSaver:
         self._write: _Write | None = None
 
     @property
-    def in_flight(self) -> int | None:
-        """The step whose write was started and whose outcome is not learned yet (every rank)."""
-        return self._write.step if self._write is not None else None
+    def in_flight(self) -> Path | None:
+        """The checkpoint whose write was started and whose outcome is not learned yet (every rank)."""
+        return self._write.target if self._write is not None else None
 
-    def start(self, root: Path, step: int, files: dict[str, Any], meta: dict[str, Any], device: torch.device,
+    def start(self, target: Path, files: dict[str, Any], meta: dict[str, Any], device: torch.device,
               world_size: int, keep_last: int = 0) -> None:
-        """Start writing checkpoint `step` under `root` (collective); returns once it is copied.
+        """Start writing the checkpoint `target` (collective); returns once it is copied.
 
-        `files` and `meta` as for `save_checkpoint`. A value that would not load back raises
-        UsageError on every rank, as there. Call `wait` for the previous write first.
+        `files`, `meta` and `keep_last` as for `save_directory`. A value that would not load
+        back raises UsageError on every rank, as there. Call `wait` for the previous write first.
         """
         if self._write is not None:
-            raise RuntimeError(f"checkpoint step {self._write.step} is still being written: wait() first")
+            raise RuntimeError(f"checkpoint {self._write.target} is still being written: wait() first")
         rng_states = gather_rng_states(device)  # fresh objects: nothing to copy
-        write = _Write(step, root / step_dir_name(step))
+        write = _Write(target)
 
         def stage() -> None:
             contents = build_contents(self._staging.copy(files), meta, rng_states, world_size)
-            write.thread = threading.Thread(target=write.run, args=(commit_step(root, step, keep_last), contents),
-                                            name=f"ddp_amp checkpoint writer (step {step})")
+            write.thread = threading.Thread(target=write.run, args=(commit_to(target, keep_last), contents),
+                                            name=f"ddp_amp checkpoint writer ({target.name})")
             write.thread.start()  # not a daemon: the interpreter lets it finish before exiting
 
         on_rank_zero(stage)
@@ -120,7 +118,7 @@ class BackgroundSaver:
         if write is None:
             return None
         path, error, seconds = on_rank_zero(write.result)
-        return FinishedWrite(write.step, Path(path) if path else None, error, seconds)
+        return FinishedWrite(write.target, Path(path) if path else None, error, seconds)
 
     def join_locally(self) -> None:
         """On a failure path: let rank 0's write finish or fail, talking to no other rank."""

@@ -6,8 +6,8 @@
    itself survives a power cut.
 4. Only then, for a run's `step-N` checkpoints, apply `--keep-last`: a crash or a full
    disk at any point leaves every previously committed checkpoint untouched.
-`commit_directory` does 1-3 for any target (what `Session.save` writes);
-`commit_checkpoint` adds the step naming and retention of a run's `checkpoints/` folder.
+`commit_directory` does 1-3 for any target; `commit_checkpoint` adds 4 for a target that is
+a `step-N` directory, whose siblings are the run's other checkpoints.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ddp_amp.checkpoint.best import protected_directory
-from ddp_amp.checkpoint.discovery import ASIDE_PREFIX, SCRATCH_PREFIX, list_step_dirs, step_dir_name
+from ddp_amp.checkpoint.discovery import ASIDE_PREFIX, SCRATCH_PREFIX, list_step_dirs, step_of
 from ddp_amp.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileRecord, encode_manifest
 from ddp_amp.durable import fsync_dir
 
@@ -141,11 +141,14 @@ def commit_directory(target: Path, files: dict[str, Any], step: int = 0) -> Path
     return target
 
 
-def commit_checkpoint(root: Path, step: int, files: dict[str, Any], keep_last: int = 0) -> Path:
-    """Commit `files` as checkpoint `step` under `root`, then apply retention; returns its path."""
-    target = commit_directory(root / step_dir_name(step), files, step)
-    remove_scratch(root)
-    apply_retention(root, keep_last, target)
+def commit_checkpoint(target: Path, files: dict[str, Any], keep_last: int = 0) -> Path:
+    """Commit `files` as the directory `target`; where it is a `step-N` directory, then apply
+    retention to its siblings (`keep_last`, 0 keeps all); returns `target`."""
+    step = step_of(target)
+    target = commit_directory(target, files, step or 0)
+    if step is not None:
+        remove_scratch(target.parent)
+        apply_retention(target.parent, keep_last, target)
     return target
 
 

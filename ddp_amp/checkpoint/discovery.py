@@ -26,6 +26,12 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def step_of(path: Path) -> int | None:
+    """N for a `step-N` directory, else None."""
+    match = STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
 def checkpoint_root(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 

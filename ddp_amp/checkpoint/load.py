@@ -19,6 +19,7 @@ import torch
 
 from ddp_amp.amp import AgreedGradScaler
 from ddp_amp.checkpoint.discovery import resolve_resume
+from ddp_amp.checkpoint.manifest import IncompleteCheckpoint, read_manifest
 from ddp_amp.checkpoint.rng import restore_rng
 from ddp_amp.checkpoint.safe_types import safe_load
 from ddp_amp.checkpoint.save import META_FILE, RNG_FILE
@@ -38,14 +39,21 @@ class LoadedCheckpoint:
     rng: list[dict[str, Any]]
 
 
-def read_checkpoint(path: Path, names: Sequence[str], what: str = "--resume") -> LoadedCheckpoint:
-    """Read `meta.json`, `rng.pt` and the named files of checkpoint `path` (no collectives)."""
+def read_checkpoint(path: Path, names: Sequence[str] | None = None, what: str = "--resume") -> LoadedCheckpoint:
+    """Read `meta.json`, `rng.pt` and the named files of checkpoint `path` (no collectives);
+    `names` None: every `.pt` file its manifest lists."""
     try:
         meta = json.loads((path / META_FILE).read_text())
     except (OSError, ValueError) as error:
         raise UsageError(what, str(path), f"a checkpoint directory with a readable {META_FILE}",
                          f"it could not be read ({error}); every rank must see it (shared "
                          "filesystem)") from None
+    if names is None:
+        try:
+            listed = read_manifest(path)["files"]
+        except IncompleteCheckpoint as error:
+            raise UsageError(what, str(path), "a complete checkpoint", str(error)) from None
+        names = sorted(name for name in listed if name.endswith(".pt") and name != RNG_FILE)
     files = {name: safe_load(path / name) for name in names}
     return LoadedCheckpoint(path, meta, files, list(safe_load(path / RNG_FILE)["ranks"]))
 
@@ -57,7 +65,7 @@ def _as_usage_error(error: Exception, path: Path, what: str) -> UsageError:
     return UsageError(what, str(path), "a readable ddp_amp checkpoint", reason)
 
 
-def read_agreed(path: Path, names: Sequence[str], check: Callable[[LoadedCheckpoint], T],
+def read_agreed(path: Path, names: Sequence[str] | None, check: Callable[[LoadedCheckpoint], T],
                 what: str = "--resume") -> tuple[LoadedCheckpoint, T]:
     """Every rank reads checkpoint `path` and runs `check` on it (collective).
 

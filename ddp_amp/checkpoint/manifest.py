@@ -31,14 +31,6 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def build_manifest(directory: Path, step: int, names: list[str]) -> dict[str, Any]:
-    """The manifest record for `names` (files already written and fsynced in `directory`)."""
-    files: dict[str, FileRecord] = {
-        name: {"size": (directory / name).stat().st_size, "sha256": file_digest(directory / name)}
-        for name in sorted(names)}
-    return {"format": FORMAT_VERSION, "step": step, "files": files}
-
-
 def encode_manifest(manifest: dict[str, Any]) -> bytes:
     return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
 

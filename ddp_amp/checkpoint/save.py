@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ddp_amp.checkpoint.commit import check_writable, commit_checkpoint, commit_directory
-from ddp_amp.checkpoint.discovery import list_step_dirs, step_dir_name
+from ddp_amp.checkpoint.commit import check_writable, commit_checkpoint
+from ddp_amp.checkpoint.discovery import list_step_dirs
 from ddp_amp.checkpoint.manifest import MANIFEST_NAME
 from ddp_amp.checkpoint.rng import gather_rng_states
 from ddp_amp.checkpoint.safe_types import check_loadable
@@ -99,45 +99,38 @@ def commit_outcome(target: Path, commit: Callable[[dict[str, Any]], Path],
         return None, _write_failure(target, error)
 
 
-def _save(target: Path, commit: Callable[[dict[str, Any]], Path], files: dict[str, Any],
-          meta: dict[str, Any], device: torch.device, world_size: int) -> SaveResult:
-    rng_states = gather_rng_states(device)
-    path, failure = on_rank_zero(
-        lambda: commit_outcome(target, commit, build_contents(files, meta, rng_states, world_size)))
-    return SaveResult(Path(path) if path else None, failure)
+def commit_to(target: Path, keep_last: int = 0) -> Callable[[dict[str, Any]], Path]:
+    """Rank 0's commit of a checkpoint's contents as the directory `target`.
 
-
-def save_checkpoint(root: Path, step: int, files: dict[str, Any], meta: dict[str, Any],
-                    device: torch.device, world_size: int, keep_last: int = 0) -> SaveResult:
-    """Commit checkpoint `step` under `root` and apply retention (collective).
-
-    A write that fails for the disk's sake (full, read-only) comes back as
-    `SaveResult.error` on every rank; state that would not load back raises UsageError
-    on every rank; either way nothing older is touched.
-    """
-    return _save(root / step_dir_name(step), commit_step(root, step, keep_last), files, meta, device, world_size)
-
-
-def commit_step(root: Path, step: int, keep_last: int) -> Callable[[dict[str, Any]], Path]:
-    """The commit of a run's checkpoint `step`: its `step-N` directory, then retention."""
-    return lambda contents: commit_checkpoint(root, step, contents, keep_last)
-
-
-def save_directory(target: Path, files: dict[str, Any], meta: dict[str, Any], device: torch.device,
-                   world_size: int) -> SaveResult:
-    """Commit a checkpoint as the directory `target`, replacing a checkpoint there (collective).
-
-    Anything else at `target` (a file, a directory without a manifest) is the user's and
-    is never replaced: the save raises UsageError on every rank instead.
+    A checkpoint already at `target` is replaced once the new one is whole; anything else
+    there (a file, a directory without a manifest) is the user's and is never replaced: the
+    commit raises UsageError instead. Where `target` is a `step-N` directory, retention then
+    keeps the newest `keep_last` of its siblings (0 keeps all).
     """
     def commit(contents: dict[str, Any]) -> Path:
         if target.exists() and not (target / MANIFEST_NAME).is_file():
             raise UsageError("checkpoint path", str(target), "a writable checkpoint location: a new "
                              "path or an earlier checkpoint (a directory with manifest.json)",
                              "something else is there and is not overwritten; pick another path")
-        return commit_directory(target, contents)
+        return commit_checkpoint(target, contents, keep_last)
 
-    return _save(target, commit, files, meta, device, world_size)
+    return commit
+
+
+def save_directory(target: Path, files: dict[str, Any], meta: dict[str, Any], device: torch.device,
+                   world_size: int, keep_last: int = 0) -> SaveResult:
+    """Commit a checkpoint as the directory `target` (collective; see `commit_to`).
+
+    A write that fails for the disk's sake (full, read-only) comes back as
+    `SaveResult.error` on every rank; state that would not load back, or a `target` that
+    is not ours to replace, raises UsageError on every rank; either way nothing older is
+    touched.
+    """
+    rng_states = gather_rng_states(device)
+    path, failure = on_rank_zero(
+        lambda: commit_outcome(target, commit_to(target, keep_last), build_contents(files, meta, rng_states,
+                                                                                  world_size)))
+    return SaveResult(Path(path) if path else None, failure)
 
 
 def ensure_writable(root: Path, run_dir: Path) -> None:

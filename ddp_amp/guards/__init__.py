@@ -17,7 +17,7 @@ as a function) or anything above.
 from ddp_amp.guards.finite import FiniteStateGuard
 from ddp_amp.guards.forensics import OverflowProbe, describe
 from ddp_amp.guards.loss_scale import LossScaleGuard, check_loss_finite
-from ddp_amp.guards.preemption import (EXIT_PREEMPTED, EarlySignals, PreemptionWatch, exit_code_for, parse_signals,
+from ddp_amp.guards.preemption import (EXIT_PREEMPTED, EarlySignals, PreemptionWatch, exit_code_for,
                                        requeue_slurm_job, stop_for_preemption, worker_ignores)
 from ddp_amp.guards.rank_sync import check_rank_sync, fingerprint
 from ddp_amp.guards.watch import RunWatch, WatchOptions
@@ -25,6 +25,6 @@ from ddp_amp.guards.watch import RunWatch, WatchOptions
 __all__ = [
     "EXIT_PREEMPTED", "EarlySignals", "FiniteStateGuard", "LossScaleGuard", "OverflowProbe", "PreemptionWatch", "RunWatch",
     "WatchOptions",
-    "check_loss_finite", "check_rank_sync", "describe", "exit_code_for", "fingerprint", "parse_signals",
+    "check_loss_finite", "check_rank_sync", "describe", "exit_code_for", "fingerprint",
     "requeue_slurm_job", "stop_for_preemption", "worker_ignores",
 ]

@@ -7,11 +7,11 @@ The scaler keeps on-device counts of consecutive skipped steps (`OverflowCounter
 
 from __future__ import annotations
 
-from ddp_amp.amp import AgreedGradScaler, LossScaleOptions
+from ddp_amp.amp import AgreedGradScaler, LossScaleOptions, Precision
 from ddp_amp.errors import TrainingHalted
 
-_ADVICE = ("Nothing was checkpointed from this state. Try --precision bf16 (fp32's exponent "
-           "range, no loss scaling), a lower --lr, or --clip-grad-norm 1.0.")
+_NOTHING_SAVED = "Nothing was checkpointed from this state. "
+_ADVICE = _NOTHING_SAVED + Precision("fp16", "cpu").divergence_advice
 
 
 class LossScaleGuard:
@@ -41,10 +41,9 @@ class LossScaleGuard:
                 f"({floor_streak} skipped step(s) at the floor). " + _ADVICE)
 
 
-def check_loss_finite(loss: float, step: int, precision: str) -> None:
+def check_loss_finite(loss: float, step: int, precision: Precision) -> None:
     """Raise `TrainingHalted` for a non-finite logged loss (any precision)."""
     if loss == loss and abs(loss) != float("inf"):
         return
-    advice = _ADVICE if precision == "fp16" else ("Nothing was checkpointed from this state. Try a "
-                                                  "lower --lr or --clip-grad-norm 1.0.")
-    raise TrainingHalted(f"the loss is {loss} at step {step} (mean over ranks, {precision}). " + advice)
+    raise TrainingHalted(f"the loss is {loss} at step {step} (mean over ranks, {precision.name}). "
+                         + _NOTHING_SAVED + precision.divergence_advice)

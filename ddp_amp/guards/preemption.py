@@ -39,23 +39,6 @@ log = logging.getLogger(__name__)
 # Exit status of a run that stopped early for a preemption: EX_TEMPFAIL, "try again later".
 EXIT_PREEMPTED = 75
 MAX_CHECK_INTERVAL = 10_000
-_NAMES = ("USR1", "USR2", "TERM", "INT", "HUP", "QUIT")
-
-
-def parse_signals(spec: str, flag: str = "--preempt-signal") -> tuple[signal.Signals, ...]:
-    """'USR1,TERM' (or 'SIGUSR1,sigterm') -> the signals; 'none' -> no handling."""
-    if spec.strip().lower() in ("", "none"):
-        return ()
-    found: list[signal.Signals] = []
-    for raw in spec.split(","):
-        name = raw.strip().upper().removeprefix("SIG")
-        if name not in _NAMES:
-            raise UsageError(flag, raw.strip(), "a comma list of " + ", ".join(_NAMES)
-                             + ", or none", "SLURM's --signal=USR1@120 needs USR1")
-        found.append(signal.Signals[f"SIG{name}"])
-    return tuple(dict.fromkeys(found))
-
-
 def _ignore(signums: tuple[int, ...], worker_id: int) -> None:
     for signum in signums:
         signal.signal(signum, signal.SIG_IGN)

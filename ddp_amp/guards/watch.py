@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ddp_amp.amp import AgreedGradScaler, LossScaleOptions
+from ddp_amp.amp import AgreedGradScaler, LossScaleOptions, Precision
 from ddp_amp.errors import TrainingHalted
 from ddp_amp.guards.finite import FiniteStateGuard
 from ddp_amp.guards.forensics import ARMED_FOR, OverflowProbe, describe
@@ -52,7 +52,7 @@ class RunWatch:
     """Loss-scale guard, overflow forensics and the rank-consistency guard for one rank."""
 
     def __init__(self, options: WatchOptions, named_params: list[tuple[str, nn.Parameter]],
-                 scaler: AgreedGradScaler, run_log: RunLog, rank: int, precision: str,
+                 scaler: AgreedGradScaler, run_log: RunLog, rank: int, precision: Precision,
                  distributed: bool = False) -> None:
         self.scaler, self.run_log, self.precision = scaler, run_log, precision
         self.named_params = named_params
@@ -96,7 +96,7 @@ class RunWatch:
     def on_log(self, record: dict[str, Any]) -> None:
         """Checks on a logged step's numbers (the loss there is already the mean over ranks)."""
         # Under fp16 a non-finite loss is an overflow the scaler skips; the guard handles it.
-        if self.precision != "fp16":
+        if not self.precision.uses_loss_scaling:
             try:
                 check_loss_finite(record["loss"], record["step"], self.precision)
             except TrainingHalted as error:

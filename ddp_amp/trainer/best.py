@@ -18,21 +18,15 @@ from typing import Any
 
 from ddp_amp.checkpoint import BestRecord, read_best, write_best
 from ddp_amp.distributed import on_rank_zero
+from ddp_amp.option_values import METRIC_GOAL, MetricGoal
 from ddp_amp.trainer.evaluation import metric_of
-
-
-def parse_keep_best(spec: str) -> tuple[str, str]:
-    """'eval_nll' -> ('eval_nll', 'min'); 'eval_accuracy:max' -> ('eval_accuracy', 'max')."""
-    metric, _, mode = spec.partition(":")
-    return metric, mode or "min"
 
 
 class BestKeeper:
     """Decides, after each evaluation, whether this step's checkpoint is the new best."""
 
-    def __init__(self, spec: str, root: Path, info: Callable[[str], None]) -> None:
-        self.spec, self.root, self.info = spec, root, info
-        self.metric, self.mode = parse_keep_best(spec)
+    def __init__(self, goal: MetricGoal, root: Path, info: Callable[[str], None]) -> None:
+        self.goal, self.root, self.info = goal, root, info
         self.best: BestRecord | None = None
         self.reload()
 
@@ -40,13 +34,13 @@ class BestKeeper:
         """Take the best so far from the run's pointer (after a resume); one for another
         metric or direction does not count."""
         saved = read_best(self.root)
-        matches = saved is not None and (saved.metric, saved.mode) == (self.metric, self.mode)
+        matches = saved is not None and (saved.metric, saved.mode) == self.goal
         self.best = saved if matches and saved.directory(self.root).is_dir() else None
 
     def after_eval(self, record: dict[str, Any], save: Callable[[], Path | None]) -> None:
         """Collective (the save): keep this step's checkpoint if `record` beats the best."""
         # Checked at the evaluation before the first step too, so a wrong name stops the run early.
-        value = metric_of(record, self.metric, "--keep-best", self.spec, "--keep-best {name}")
+        value = metric_of(record, self.goal.metric, "--keep-best", METRIC_GOAL.text(self.goal), "--keep-best {name}")
         step = record.get("step", 0)
         if step == 0:  # before the first step: nothing trained to keep
             return
@@ -54,7 +48,7 @@ class BestKeeper:
             return
         if save() is None:  # checkpointing off or the write failed: nothing to point at
             return
-        best = BestRecord(self.metric, self.mode, value, step)
+        best = BestRecord(self.goal.metric, self.goal.mode, value, step)
         on_rank_zero(lambda: write_best(self.root, best))
         self.best = best
-        self.info(f"best {self.metric}={value:.6g} so far: checkpoint of step {step} kept (--keep-best)")
+        self.info(f"best {self.goal.metric}={value:.6g} so far: checkpoint of step {step} kept (--keep-best)")

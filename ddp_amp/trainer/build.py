@@ -1,4 +1,4 @@
-"""The one way to build a Trainer: seeding, task, precision and log in the order every rank needs."""
+"""The one way to build a Trainer: seeding and the task in the order every rank needs."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ddp_amp.amp import Precision, resolve_precision
 from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import DistContext
 from ddp_amp.metrics import QuietRunLog, RunLog
+from ddp_amp.session import Session
 from ddp_amp.tasks import Task, load_task
 from ddp_amp.trainer.loop import Trainer
 
@@ -33,15 +33,13 @@ def prepare_task(config: TrainConfig, ctx: DistContext) -> Task:
     return task
 
 
-def build_trainer(config: TrainConfig, ctx: DistContext, run_log: RunLog | None = None, *,
-                  task: Task | None = None, precision: Precision | None = None,
-                  checkpoint_root: Path | None = None) -> Trainer:
-    """A Trainer for this rank (collective: DDP's wrap broadcasts the weights).
+def build_trainer(session: Session, config: TrainConfig, run_log: RunLog | None = None, *,
+                  task: Task | None = None, checkpoint_root: Path | None = None) -> Trainer:
+    """A Trainer for this rank of `session` (collective: DDP's wrap broadcasts the weights).
 
-    `task` and `precision` default to the config's, made by `prepare_task` and
-    `resolve_precision`; pass them where the caller made them earlier (the CLI checks
-    everything before it writes anything). `run_log` defaults to a quiet one.
+    `task` defaults to the config's, made by `prepare_task`; pass it where the caller made
+    it earlier (the CLI checks everything before it writes anything). `run_log` defaults to
+    a quiet one; without `checkpoint_root` nothing is saved.
     """
-    precision = precision or resolve_precision(config.precision, ctx.device, config.fp8_emulate)
-    task = task if task is not None else prepare_task(config, ctx)
-    return Trainer(config, task, ctx, precision, run_log or QuietRunLog(ctx.rank), checkpoint_root)
+    task = task if task is not None else prepare_task(config, session.ctx)
+    return Trainer(session, config, task, run_log or QuietRunLog(session.rank), checkpoint_root)

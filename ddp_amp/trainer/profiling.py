@@ -22,15 +22,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
+from ddp_amp.errors import UsageError
+from ddp_amp.option_values import StepWindow
+
 TOP_OPS = 10  # rows of the per-step table rank 0 prints
-
-
-def parse_window(text: str) -> tuple[int, int] | None:
-    """`A:B` -> (A, B), or None for an empty string (validation is the config's)."""
-    if not text:
-        return None
-    first, _, last = text.partition(":")
-    return int(first), int(last)
 
 
 def top_ops_table(prof: profile, steps: int, device_type: str) -> str:
@@ -51,8 +46,11 @@ def top_ops_table(prof: profile, steps: int, device_type: str) -> str:
 class ProfileWindow:
     """Starts the profiler before step `first`, stops it after step `last` (log step numbers)."""
 
-    def __init__(self, window: tuple[int, int] | None, memory_snapshot: bool, out_dir: Path | None, rank: int,
+    def __init__(self, window: StepWindow | None, memory_snapshot: bool, out_dir: Path | None, rank: int,
                  device: torch.device, info: Callable[[str], None]) -> None:
+        if memory_snapshot and device.type != "cuda":
+            raise UsageError("--memory-snapshot", True, "a CUDA device (it records the CUDA allocator)",
+                             "drop --memory-snapshot on a CPU run")
         self.first, self.last = window or (0, -1)
         self.memory_snapshot = memory_snapshot and device.type == "cuda"
         self.out_dir, self.rank, self.device, self.info = out_dir, rank, device, info

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_amp.checkpoint import META_FILE, checkpoint_root, list_step_dirs, resolve_resume
-from ddp_amp.config import TrainConfig, flag_of
+from ddp_amp.config import TrainConfig, flag_of, same_setting
 from ddp_amp.distributed import on_rank_zero
 from ddp_amp.durable import fsync_dir
 from ddp_amp.errors import UsageError
@@ -56,7 +56,7 @@ class ResumePlan:
 
 def compare_settings(saved: Mapping[str, Any], config: TrainConfig) -> tuple[list[str], list[str], list[str]]:
     """(refused lines, their field names, notice lines) for resuming `saved` under `config`."""
-    allowed = set(config.allowed_changes())
+    allowed = set(config.allow_change)
     now = config.to_dict()
     refused, names, noticed = [], [], []
     for field in dataclasses.fields(TrainConfig):
@@ -64,9 +64,7 @@ def compare_settings(saved: Mapping[str, Any], config: TrainConfig) -> tuple[lis
         if kind in ("free", "precision") or field.name not in saved:
             continue
         old, new = saved[field.name], now[field.name]
-        if isinstance(new, tuple) and isinstance(old, list):  # JSON keeps tuples as lists
-            old = tuple(old)
-        if old == new:
+        if same_setting(field.name, old, new):
             continue
         line = f"{flag_of(field.name)}: saved {old!r}, now {new!r}"
         if kind == "match" and field.name not in allowed:

@@ -9,7 +9,7 @@ Map-style data keeps this small stream rather than torchdata's `StatefulDataLoad
 carries iterable data and a task's own loader, loader_stream.py): its position is one pair
 of numbers shared by all ranks, so a resume starts at the saved sample without replaying
 the epoch, and maps onto another world size where the sample count divides
-(checkpointing.py's `map_data_position`); a stateful loader's state is per rank and
+(resume.py's `map_data_position`); a stateful loader's state is per rank and
 per world size.
 """
 

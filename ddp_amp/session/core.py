@@ -10,11 +10,12 @@
             session.step(optimizer, clip_grad_norm=1.0)  # unscale, clip, agreed skip, update
             optimizer.zero_grad(set_to_none=True)
 
-It is a thin shell over the layers: `detect_env` -> `init_distributed` -> `resolve_precision`
--> `wrap_model` + `AgreedGradScaler` -> the AMP step (`amp_step`, the Trainer's too) ->
-checkpoints (`ddp_amp.checkpoint`, the Trainer's commit protocol). Leaving the block always
-leaves the process group, after releasing the DDP wrappers it made (docs/facts.md: tearing
-gloo down under a live DDP reducer can abort the process).
+It is the run core, and the Trainer is a loop over it: `detect_env` -> `init_distributed`
+-> `resolve_precision` -> `wrap_model` + `AgreedGradScaler` -> the AMP step (`amp_step`) ->
+checkpoints in one layout (layout.py) through `ddp_amp.checkpoint`'s commit protocol, now
+or in the background (checkpoints.py). A failure watch ends this rank when a peer fails.
+Leaving the block always leaves the process group, after releasing the DDP wrappers it made
+(docs/facts.md: tearing gloo down under a live DDP reducer can abort the process).
 """
 
 from __future__ import annotations
@@ -23,34 +24,31 @@ import gc
 import logging
 import os
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_amp import checkpoint
 from ddp_amp.amp import (AgreedGradScaler, AutocastModule, Precision, StepResult, amp_step, resolve_precision,
                          scaled_backward, unwrap_model, wrap_model)
 from ddp_amp.distributed import (BackendChoice, DeviceChoice, DistContext, PeerFailureWatch, agreed_origin,
-                          all_gather_objects, announce_failure, init_distributed, mark_agreed, on_rank_zero,
-                          release_ddp, shutdown_distributed, to_device)
+                                 all_gather_objects, announce_failure, comm_hook, init_distributed,
+                                 release_ddp, shutdown_distributed, to_device)
 from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import check_rank_sync
 from ddp_amp.metrics.trackers import Trackers, start_trackers_on_rank_zero
+from ddp_amp.session.checkpoints import Saved, SessionCheckpoints
+from ddp_amp.session.layout import SavedState
 
 log = logging.getLogger(__name__)
-
-# A Session checkpoint is a directory: the user's state in `state.pt` (the loss scaler's
-# state under the reserved key below), plus every checkpoint's `rng.pt` and `meta.json`.
-STATE_FILE = "state.pt"
-SCALER_KEY = "scaler"
+T = TypeVar("T")
 
 
 class Session:
@@ -59,13 +57,14 @@ class Session:
     def __init__(self, precision: str = "auto", device: DeviceChoice = "auto",
                  backend: BackendChoice = "auto", timeout_s: float = 600.0,
                  scaler_options: Mapping[str, float | int] | None = None,
-                 environ: Mapping[str, str] | None = None) -> None:
-        self._choices = (precision, device, backend, timeout_s)
+                 environ: Mapping[str, str] | None = None, *, fp8_emulate: bool = False) -> None:
+        self._choices = (precision, device, backend, timeout_s, fp8_emulate)
         self._scaler_options = dict(scaler_options or {})
         self._environ = environ
         self._ctx: DistContext | None = None
         self._precision: Precision | None = None
         self._scaler: AgreedGradScaler | None = None
+        self._checkpoints: SessionCheckpoints | None = None
         self._ddp_refs: list[weakref.ref[DDP]] = []
         self._owns_group = False
         self._watch: PeerFailureWatch | None = None
@@ -74,16 +73,20 @@ class Session:
 
     def __enter__(self) -> Session:
         """Detect the launcher and join the process group (collective)."""
+        return self.start()
+
+    def start(self) -> Session:
+        """What entering the `with` block does, for a caller that ends it with `close()`."""
         if self._ctx is not None:
             raise UsageError("Session", "already started", "a session not yet started",
                              "do not nest `with` blocks of one Session")
-        precision, device, backend, timeout_s = self._choices
+        precision, device, backend, timeout_s, fp8_emulate = self._choices
         env = detect_env(os.environ if self._environ is None else self._environ)
         # A group the caller made before is the caller's to destroy; one we make is ours.
         owns_group = not dist.is_initialized()
         ctx = init_distributed(env, device, backend, timeout_s)
         try:
-            self._precision = resolve_precision(precision, ctx.device)
+            self._precision = resolve_precision(precision, ctx.device, fp8_emulate)
             self._scaler = self._precision.make_scaler(**self._scaler_options)
         except Exception:
             if owns_group:
@@ -91,6 +94,7 @@ class Session:
             raise
         self._owns_group = owns_group
         self._ctx = ctx
+        self._checkpoints = SessionCheckpoints(ctx, self._precision, self._scaler, log.warning)
         # A peer whose exception leaves its session block ends this process too (failure.py).
         self._watch = PeerFailureWatch(ctx.store if ctx.world_size > 1 else None, ctx.rank).start()
         log.debug("session: rank %d/%d on %s, %s (%s)", ctx.rank, ctx.world_size, ctx.device,
@@ -109,15 +113,23 @@ class Session:
         ctx = self._ctx
         if isinstance(exc, Exception) and agreed_origin(exc) is None and ctx is not None:
             announce_failure(exc, ctx.store, ctx.rank)
-        self.close()
+        try:
+            if exc is None and self._checkpoints is not None and self._checkpoints.in_flight is not None:
+                self.wait_for_save()  # a background save's failure is the block's: raised here
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Leave the process group the session joined, after releasing its DDP wrappers.
 
-        A group that existed before the session is left alone, and so are its models.
+        A background save still being written is let finish (or fail) first, without
+        talking to the other ranks. A group that existed before the session is left alone,
+        and so are its models.
         """
         if self._ctx is None:
             return
+        if self._checkpoints is not None:
+            self._checkpoints.join_locally()
         self._ctx = None
         if self._watch is not None:
             self._watch.stop()
@@ -178,20 +190,24 @@ class Session:
 
     # -- models ----------------------------------------------------------------------
 
-    def setup(self, model: nn.Module, *, find_unused_parameters: bool = False,
-              cast_outputs_to_fp32: bool = False, gradient_as_bucket_view: bool = True,
-              **ddp_options: Any) -> nn.Module:
+    def setup(self, model: nn.Module, *, compile_model: bool = False, grad_comm_dtype: str = "fp32",
+              find_unused_parameters: bool = False, cast_outputs_to_fp32: bool = False,
+              gradient_as_bucket_view: bool = True, **ddp_options: Any) -> nn.Module:
         """Move `model` to the device and wrap it: DDP(AutocastModule(model)) (collective).
 
-        A world of one gets the AutocastModule alone. Make optimizers from the returned
-        module's parameters (they are the model's own). Extra keywords go to DDP.
+        A world of one gets the AutocastModule alone. `compile_model` compiles the model
+        inside the wrapper; `grad_comm_dtype` ("bf16", "fp16") all-reduces gradients
+        compressed. Make optimizers from the returned module's parameters (they are the
+        model's own). Extra keywords (static_graph, bucket_cap_mb, ...) go to DDP.
         """
         if isinstance(model, (DDP, AutocastModule)):
             raise UsageError("model", type(model).__name__, "the plain user module",
                              "pass the model before wrapping; setup adds AutocastModule and DDP")
         precision, ctx = self.precision, self.ctx
-        wrapped = wrap_model(model, precision, ctx.device, distributed=ctx.has_group,
-                             cast_outputs_to_fp32=cast_outputs_to_fp32,
+        # A Python comm hook only where compression needs one; else DDP's C++ all-reduce.
+        hook = comm_hook(grad_comm_dtype, ctx.backend or "gloo") if ctx.has_group else None
+        wrapped = wrap_model(model, precision, ctx.device, distributed=ctx.has_group, compile_model=compile_model,
+                             cast_outputs_to_fp32=cast_outputs_to_fp32, comm_hook=hook,
                              find_unused_parameters=find_unused_parameters,
                              gradient_as_bucket_view=gradient_as_bucket_view, **ddp_options)
         if isinstance(wrapped, DDP):
@@ -219,11 +235,9 @@ class Session:
         """Skip DDP's gradient all-reduce for micro-batches before the last of a step."""
         return model.no_sync() if isinstance(model, DDP) else nullcontext()
 
-    @contextmanager
-    def autocast(self) -> Iterator[None]:
+    def autocast(self) -> AbstractContextManager[Any]:
         """Autocast in the run's precision, this thread only: for losses and eval code."""
-        with self.precision.autocast():
-            yield
+        return self.precision.autocast()
 
     # -- gradients and steps ---------------------------------------------------------
 
@@ -244,7 +258,7 @@ class Session:
             raise UsageError("retain_graph", True, "one backward per forward through a DDP model",
                              "DDP reduces the gradients of the first backward only; sum the losses and call "
                              "session.backward(loss0 + loss1) once: the gradients are the same")
-        scaled_backward(self.scaler, loss, **backward_options)
+        scaled_backward(self._scaler, loss, **backward_options)  # type: ignore[arg-type]
 
     def _synced_ddp_models(self) -> list[DDP]:
         models = (ref() for ref in self._ddp_refs)
@@ -266,19 +280,22 @@ class Session:
         return tuple(grad / scale for grad in grads)
 
     def step(self, *optimizers: torch.optim.Optimizer, clip_grad_norm: float | None = None,
-             update: bool = True) -> StepResult:
+             update: bool = True, skip_together: bool = False) -> StepResult:
         """Unscale, clip, step each optimizer unless any rank saw inf/NaN, update once (collective).
 
         Clipping uses one total norm over all given optimizers' gradients, in real units.
-        Pass several optimizers that share the scaler in one call, or use `update=False`
-        for all but the last call of a step: the scale must change once per step.
+        Each optimizer skips on an inf in its own gradients, as torch's GradScaler does;
+        `skip_together` makes them step together or not at all (a GAN's two, say). Pass
+        several optimizers that share the scaler in one call, or use `update=False` for all
+        but the last call of a step: the scale must change once per step.
         """
         if not optimizers:
             raise UsageError("optimizers", "none", "at least one optimizer", "session.step(optimizer)")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise UsageError("clip_grad_norm", clip_grad_norm, "a number > 0 or None",
                              "None turns clipping off")
-        return amp_step(self.scaler, optimizers, clip_grad_norm=clip_grad_norm, update=update)
+        return amp_step(self._scaler, optimizers, clip_grad_norm=clip_grad_norm, update=update,  # type: ignore[arg-type]
+                        skip_together=skip_together)
 
     def update(self) -> None:
         """Update the loss scale once, after every optimizer of the step has stepped."""
@@ -316,82 +333,70 @@ class Session:
         self.ctx  # noqa: B018 - raises when not started
         return start_trackers_on_rank_zero(list(specs), Path(run_dir), dict(config or {}), start_step, log.warning)
 
-    # -- checkpoints: the Trainer's commit protocol, manifest and RNG states -------------
+    # -- checkpoints: one layout (layout.py), the commit protocol of ddp_amp.checkpoint -----
 
-    def save(self, path: str | os.PathLike[str], state: Mapping[str, Any]) -> Path:
+    def save(self, path: str | os.PathLike[str], state: Mapping[str, Any], *,
+             per_rank: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
+             keep_last: int = 0, background: bool = False) -> Path | None:
         """Save a checkpoint directory at `path`; rank 0 commits it atomically (collective).
 
-        `state` maps names to models (saved unwrapped, without `module.` prefixes),
-        optimizers, anything with `state_dict`, and plain values (numbers, strings, paths,
-        numpy values, containers of them). The loss scaler and every rank's RNG state are
-        saved too. A directory already at `path` is replaced only if it is a checkpoint,
-        and only once the new one is complete. Returns the path on every rank.
+        `state` maps names to models (each saved unwrapped, in a file of its own: `model.pt`
+        for "model"), optimizers, anything with `state_dict`, and plain values (numbers,
+        strings, paths, numpy values, containers of them). `per_rank` maps names to values
+        that differ per rank (a data loader's position): every rank's is kept, and each rank
+        gets its own back. The loss scaler and every rank's RNG state are saved too; `meta`
+        goes into meta.json. A directory already at `path` is replaced only if it is a
+        checkpoint, and only once the new one is complete. Where `path` is a `step-N`
+        directory (`ddp_amp.checkpoint.step_dir_name(step)`), `keep_last` > 0 then keeps only
+        the newest that many beside it.
+
+        Returns the path on every rank. With `background`, returns None as soon as the state
+        is copied to host memory: rank 0 writes it while training goes on, and the next save
+        or `wait_for_save()` learns the outcome. A failed write raises `CheckpointError` on
+        every rank (older checkpoints are untouched).
         """
-        self.ctx  # noqa: B018 - raises when not started
-        if SCALER_KEY in state:
-            raise UsageError("state key", SCALER_KEY, "a key other than the reserved one",
-                             "the session saves its scaler under it; rename yours")
-        payload = {key: _state_of(value) for key, value in state.items()}
-        payload[SCALER_KEY] = self.scaler.state_dict()
-        meta = {"saved_by": "ddp_amp.Session", "precision": self.precision.name,
-                "loss_scaling": self.scaler.is_enabled(),
-                "scaler_skipped_total": int(self.scaler.skipped_steps().item())}
-        result = checkpoint.save_directory(Path(path), {STATE_FILE: payload}, meta, self.device,
-                                           self.world_size)
-        if result.error is not None:
-            raise mark_agreed(result.error, 0)  # the same outcome on every rank
-        return Path(path)
+        saved = self._saver().save(Path(path), state, per_rank or {}, meta or {}, keep_last, background)
+        return saved.path if saved is not None else None
+
+    def wait_for_save(self) -> Saved | None:
+        """Wait for the background save in flight, if any (collective): where it was saved
+        and how long rank 0 took, or its `CheckpointError` raised on every rank."""
+        return self._saver().wait()
+
+    def read(self, path: str | os.PathLike[str], check: Callable[[SavedState], T] | None = None
+             ) -> tuple[SavedState, T | None]:
+        """Read a `save` checkpoint on every rank, unapplied, and run `check` on it (collective).
+
+        Every rank reads the directory (it must be on a filesystem every rank sees); any
+        rank's refusal, a failed read or `check`'s UsageError, is raised on every rank.
+        """
+        return self._saver().read(Path(path), check)
+
+    def restore(self, saved: SavedState, state: Mapping[str, Any], *, restore_rng: bool = True,
+                notice: Callable[[str], None] = log.info) -> dict[str, Any]:
+        """Load a `read` checkpoint into the objects of `state` and the scaler (collective):
+        see `load`. Returns the saved plain values, with this rank's per-rank ones."""
+        return self._saver().restore(saved, state, restore_rng, notice)
 
     def load(self, path: str | os.PathLike[str], state: Mapping[str, Any], *,
              restore_rng: bool = True) -> dict[str, Any]:
-        """Load a `save` checkpoint into the given objects and the scaler; return its state.
+        """Load a `save` checkpoint into the given objects and the scaler; return its values.
 
-        Collective. Every rank reads the directory (it must be on a filesystem every rank
-        sees) and checks it holds every key asked for; any rank's refusal is raised on
-        every rank before anything is loaded. Rank 0's scaler state is authoritative and
-        every rank verifies it agrees. With `restore_rng` each rank gets back the RNG
-        streams it saved, so a resumed loop draws what an uninterrupted one would.
+        Collective. Every rank reads the directory and checks it holds every key asked for;
+        any rank's refusal is raised on every rank before anything is loaded. Rank 0's
+        scaler state is authoritative and every rank verifies it agrees. With `restore_rng`
+        each rank gets back the RNG streams it saved, so a resumed loop draws what an
+        uninterrupted one would. Returns the plain values saved (a step count, say) and this
+        rank's own per-rank values.
         """
-        ctx = self.ctx
-        target = on_rank_zero(lambda: _find_checkpoint(Path(path)))  # one rank hashes the files, as a resume does
+        saved, _ = self.read(path, self._saver().holds_keys(list(state)))
+        return self.restore(saved, state, restore_rng=restore_rng)
 
-        def holds_keys(loaded: checkpoint.LoadedCheckpoint) -> dict[str, Any]:
-            payload = loaded.files[STATE_FILE]
-            for key in state:
-                if key not in payload:
-                    raise UsageError("checkpoint key", key, f"one of {sorted(payload)}",
-                                     "save it first, or leave it out of the load")
-            return payload
+    def latest(self, root: str | os.PathLike[str]) -> Path | None:
+        """The newest complete `step-N` checkpoint under `root`, or None (collective: rank 0
+        verifies the manifests, every rank gets the answer)."""
+        return self._saver().latest(Path(root))
 
-        loaded, payload = checkpoint.read_agreed(target, (STATE_FILE,), holds_keys, what="checkpoint")
-        for key, obj in state.items():
-            if isinstance(obj, nn.Module):
-                unwrap_model(obj).load_state_dict(payload[key])
-            elif hasattr(obj, "load_state_dict"):
-                obj.load_state_dict(payload[key])
-        checkpoint.restore_scaler(self.scaler, payload.get(SCALER_KEY) or {},
-                                  int(loaded.meta.get("scaler_skipped_total", 0)), self.precision.name,
-                                  str(loaded.meta.get("precision")), log.info)
-        if restore_rng:
-            checkpoint.restore_own_rng(loaded, ctx.rank, ctx.device)
-        return payload
-
-
-def _state_of(value: Any) -> Any:
-    if isinstance(value, nn.Module):
-        return unwrap_model(value).state_dict()  # no `module.` prefixes from the wrappers
-    if hasattr(value, "state_dict"):
-        return value.state_dict()
-    return value
-
-
-def _find_checkpoint(path: Path) -> Path:
-    """`path`, or the complete copy a crash during a re-save left beside it; else UsageError."""
-    found = checkpoint.complete_copy(path, log.warning)
-    if found is not None:
-        return found
-    if path.exists():
-        raise UsageError("checkpoint", str(path), "a complete checkpoint directory written by Session.save",
-                         "it could not be read (no valid manifest.json); it may be torn or not a checkpoint")
-    raise UsageError("checkpoint", str(path), "an existing checkpoint directory",
-                     "check the path; Session.save writes it")
+    def _saver(self) -> SessionCheckpoints:
+        self.ctx  # noqa: B018 - raises when not started
+        return self._checkpoints  # type: ignore[return-value]

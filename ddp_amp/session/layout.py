@@ -1,0 +1,149 @@
+"""The one checkpoint layout: what `Session.save` writes, and so what the Trainer writes too.
+
+    <checkpoint>/
+      model.pt       each module of the state in a file of its own, named by its key:
+                     its `state_dict()`, unwrapped (no DDP `module.` or wrapper prefixes),
+                     so it loads into the plain `nn.Module`
+      state.pt       everything else of the state: each optimizer's and other object's
+                     `state_dict()`, plain values (numbers, strings, paths, containers),
+                     and the loss scaler's state under the reserved key "scaler"
+      data.pt        each per-rank entry in a file of its own: {"ranks": [rank 0's, ...]}
+      rng.pt         every rank's RNG states
+      meta.json      who saved it, world size, versions, precision, which files are modules
+                     and which per-rank, and the caller's own description
+      manifest.json  size and sha256 of every other file, written last: the checkpoint is
+                     complete exactly when it verifies
+
+`python -m ddp_amp.export` takes a module's file from here, `--resume` and `Session.load`
+read it all. Two older layouts still load: the Trainer's `train.pt` (today's `state.pt`,
+with the scaler's skipped-step count inside) and a Session's `state.pt` that held the
+modules' state dicts among its values.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ddp_amp.amp import unwrap_model
+from ddp_amp.checkpoint import LoadedCheckpoint
+from ddp_amp.errors import UsageError
+
+STATE_FILE = "state.pt"
+LEGACY_STATE_FILE = "train.pt"  # the Trainer's name for state.pt before there was one layout
+SCALER_KEY = "scaler"
+_RESERVED = frozenset({"state", "train", "rng", "meta", "manifest"})
+_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def module_file(key: str) -> str:
+    return f"{key}.pt"
+
+
+def check_keys(state: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
+    """Refuse keys that cannot name a file of the layout, or that it reserves."""
+    for key in [*state, *per_rank]:
+        if not isinstance(key, str) or not _KEY.match(key) or key in _RESERVED:
+            raise UsageError("state key", key, "a plain name (letters, digits, _ . -) other than "
+                             + ", ".join(sorted(_RESERVED)), "rename it, e.g. 'model' or 'optimizer'")
+    if SCALER_KEY in state or SCALER_KEY in per_rank:
+        raise UsageError("state key", SCALER_KEY, "a key other than the reserved one",
+                         "the session saves its scaler under it; rename yours")
+    both = sorted(set(state) & set(per_rank))
+    if both:
+        raise UsageError("state key", both[0], "a key in either state or per_rank, not both", "rename one of them")
+
+
+def state_of(value: Any) -> Any:
+    """What a value of the state is saved as: its `state_dict()` if it has one (a module's
+    unwrapped), a list of them for a list of such objects (several optimizers), else the
+    value itself."""
+    if isinstance(value, nn.Module):
+        return unwrap_model(value).state_dict()
+    if hasattr(value, "state_dict"):
+        return value.state_dict()
+    if isinstance(value, (list, tuple)) and value and all(hasattr(item, "state_dict") for item in value):
+        return [item.state_dict() for item in value]
+    return value
+
+
+def load_into(obj: Any, saved: Any) -> None:
+    """Put a saved state back into `obj` (what `state_of` took from it)."""
+    if isinstance(obj, nn.Module):
+        unwrap_model(obj).load_state_dict(saved)
+    elif hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(saved)
+    elif isinstance(obj, (list, tuple)) and all(hasattr(item, "load_state_dict") for item in obj):
+        for item, state in zip(obj, saved, strict=True):
+            item.load_state_dict(state)
+
+
+def layout_files(state: Mapping[str, Any], scaler_state: dict[str, Any],
+                 per_rank: Mapping[str, list[Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The files of a checkpoint of `state` (modules in their own files) and what meta.json
+    records about them. `per_rank` holds every rank's value of each per-rank entry."""
+    modules = sorted(key for key, value in state.items() if isinstance(value, nn.Module))
+    files: dict[str, Any] = {module_file(key): state_of(state[key]) for key in modules}
+    values = {key: state_of(value) for key, value in state.items() if key not in modules}
+    files[STATE_FILE] = {**values, SCALER_KEY: scaler_state}
+    for key, ranks in per_rank.items():
+        files[module_file(key)] = {"ranks": ranks}
+    return files, {"modules": modules, "per_rank": sorted(per_rank)}
+
+
+@dataclass
+class SavedState:
+    """A checkpoint in this layout, read from disk and checked, not yet applied."""
+
+    path: Path
+    meta: dict[str, Any]
+    values: dict[str, Any]  # state.pt, the scaler's entry included
+    modules: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> state dict
+    per_rank: dict[str, list[Any]] = field(default_factory=dict)  # key -> every rank's value
+    rng: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.meta.get("world_size", len(self.rng) or 1))
+
+    @property
+    def scaler_skipped_total(self) -> int:
+        # In meta.json since there is one layout; inside the Trainer's old train.pt before.
+        return int(self.meta.get("scaler_skipped_total", self.values.get("scaler_skipped_total", 0)))
+
+    def holds(self, key: str) -> bool:
+        return key in self.modules or key in self.values or key in self.per_rank
+
+    def value(self, key: str) -> Any:
+        """The saved state of `key`: a module's state dict, another object's, or a plain value."""
+        if key in self.modules:
+            return self.modules[key]
+        if key in self.values:
+            return self.values[key]
+        raise UsageError("checkpoint key", key, f"one of {sorted(self.keys())}", "save it first, or leave it out of the load")
+
+    def keys(self) -> list[str]:
+        return sorted({*self.modules, *self.values, *self.per_rank} - {SCALER_KEY})
+
+
+def saved_state(loaded: LoadedCheckpoint) -> SavedState:
+    """The files read by `checkpoint.read_checkpoint` as a SavedState."""
+    state_name = STATE_FILE if STATE_FILE in loaded.files else LEGACY_STATE_FILE
+    values = dict(loaded.files.get(state_name) or {})
+    # meta.json names the per-rank files; before it did, they were the Trainer's two.
+    per_rank_keys = set(loaded.meta.get("per_rank", ("data", "task_state")))
+    modules, per_rank = {}, {}
+    for name, payload in loaded.files.items():
+        key = name.removesuffix(".pt")
+        if name == state_name:
+            continue
+        if key in per_rank_keys:
+            per_rank[key] = list(payload["ranks"])
+        else:
+            modules[key] = payload
+    return SavedState(loaded.path, loaded.meta, values, modules, per_rank, loaded.rng)
