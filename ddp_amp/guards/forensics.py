@@ -7,11 +7,26 @@ cannot say where they came from. A rank's own gradient is visible in one place: 
 autograd accumulates it into `.grad`, before DDP's own hook copies it into a bucket to
 reduce. `OverflowProbe` checks it there, with a post-accumulate-grad hook per parameter.
 
+After every hook the user registered. A parameter's post-accumulate-grad hooks run in the
+order they were registered, all before DDP's hook (DDP's sits on the gradient's accumulator
+node, whose own hooks run after the accumulation and the tensor's hooks). Registered when
+the probe arms and left there, the check would run before any user hook registered after
+that (one registered on every step, say) and miss the NaN such a hook writes. So each armed
+parameter also gets a gradient hook, which autograd runs as the gradient arrives, before
+accumulating it: it moves the check to the end of the parameter's post-accumulate-grad
+hooks, the order autograd reads just after. The check then sees `.grad` after every user
+hook registered before this parameter's gradient arrived, whenever that was.
+Limits: a post-accumulate-grad hook registered in the middle of a backward, after this
+parameter's gradient arrived (by another hook), runs after the check in that backward;
+and hooks put on the accumulator node itself rather than on the tensor run after all the
+tensor's hooks, so after the check: a NaN they write is skipped but not named.
+
 Cost. Nothing while disarmed: no hook at all, and DDP keeps its built-in C++ all-reduce
 (a Python comm hook cost ~150 us of host time per step on a micro model, docs/facts.md).
 The watch arms the probe when it first sees skipped steps (at a check step), and disarms
 it after `ARMED_FOR` steps with no new skip. While armed, each parameter's gradient gets one sum
-and a flag per step; the flags are read only when an overflow is reported.
+and a flag per step (and the move of its check: two Python hook calls per parameter and
+backward); the flags are read only when an overflow is reported.
 
 So the first skips a run sees are reported without a rank (nothing checked their local
 gradients yet); skips while armed name the ranks and parameters exactly. Without a
@@ -19,6 +34,7 @@ process group the gradients are local anyway: the watch scans `.grad` at the che
 when that step was skipped (`scan_grads`), which names them at once.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +49,21 @@ ARMED_FOR = 200  # steps the probe stays armed after the last check that saw new
 def _nonfinite(tensor: torch.Tensor) -> torch.Tensor:
     """0-d bool tensor: does `tensor` hold any inf/NaN (no host sync)."""
     return torch.isfinite(tensor).logical_not().any()
+
+
+def _moves_last(check: RemovableHandle) -> Callable[[torch.Tensor], None]:
+    """A gradient hook that moves the post-accumulate-grad hook `check` after all others of its tensor.
+
+    Autograd calls a tensor's gradient hooks before it accumulates the gradient, and its
+    post-accumulate-grad hooks after, in the order of their dict at that time: moved to the
+    end there, `check` runs after every hook registered so far, its own registration time
+    notwithstanding.
+    """
+    def move(grad: torch.Tensor) -> None:
+        hooks = check.hooks_dict_ref()
+        if hooks is not None and check.id in hooks:
+            hooks[check.id] = hooks.pop(check.id)
+    return move
 
 
 def _sum_nonfinite(tensor: torch.Tensor) -> torch.Tensor:
@@ -66,12 +97,13 @@ class OverflowProbe:
         return bool(self._handles)
 
     def arm(self) -> None:
-        """Check every parameter's local gradient from the next backward on."""
+        """Check every parameter's local gradient from the next backward on, after the user's hooks."""
         if self.armed:
             return
         for name, param in self._params:
-            self._handles.append(param.register_post_accumulate_grad_hook(
-                lambda p, name=name: self._check(name, p)))  # type: ignore[misc]
+            check = param.register_post_accumulate_grad_hook(
+                lambda p, name=name: self._check(name, p))  # type: ignore[misc]
+            self._handles += [check, param.register_hook(_moves_last(check))]
 
     def disarm(self) -> None:
         for handle in self._handles:

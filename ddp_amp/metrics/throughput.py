@@ -5,8 +5,9 @@ running that step under torch's `FlopCounterMode` (matmuls, convolutions and att
 forward and backward; the optimizer's elementwise work is not counted, as MFU conventionally
 leaves it out). The count is per rank: each rank runs its own micro-batches. Achieved
 TFLOP/s is that count over the measured step time; MFU divides it by the device's dense
-peak for the run's precision (`peaks.py`), only where the peak is known: on a CPU or an
-unlisted GPU there is no MFU rather than a guessed one.
+peak for the kind its matmuls run as (`peaks.py`), only where the peak is known: on a CPU
+or an unlisted GPU there is no MFU rather than a guessed one, unless the caller passes the
+peak itself (`override_tflops`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import psutil
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ddp_amp.metrics.peaks import dense_peak_tflops
+from ddp_amp.metrics.peaks import dense_peak_tflops, matmul_kind
 
 T = TypeVar("T")
 
@@ -38,23 +39,24 @@ def memory_mb(device: torch.device) -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def utilization(flops_per_step: int, step_time: float, device: torch.device,
-                precision: str) -> tuple[float, float | None]:
+def utilization(flops_per_step: int, step_time: float, device: torch.device, precision: str,
+                override_tflops: float | None = None) -> tuple[float, float | None]:
     """(achieved TFLOP/s, MFU) of steps of `flops_per_step` taking `step_time` s; MFU is None
-    where the device's dense peak for `precision` is unknown."""
+    where the device's dense peak for `precision` is unknown and no `override_tflops` is given."""
     achieved = flops_per_step / step_time / 1e12
-    peak = dense_peak_tflops(device, precision)
+    peak = dense_peak_tflops(device, matmul_kind(precision, device), override_tflops)
     return achieved, (achieved / peak if peak else None)
 
 
 def throughput_fields(flops_per_step: int | None, step_time: float, samples_per_s: float,
-                      tokens_per_sample: int, device: torch.device, precision: str) -> dict[str, Any]:
+                      tokens_per_sample: int, device: torch.device, precision: str,
+                      override_tflops: float | None = None) -> dict[str, Any]:
     """The log's throughput and memory fields for a window of steps (absent where unknown)."""
     fields: dict[str, Any] = {}
     if tokens_per_sample:
         fields["tokens_per_s"] = samples_per_s * tokens_per_sample
     if flops_per_step and step_time > 0:
-        fields["tflops"], mfu = utilization(flops_per_step, step_time, device, precision)
+        fields["tflops"], mfu = utilization(flops_per_step, step_time, device, precision, override_tflops)
         if mfu is not None:
             fields["mfu"] = mfu
     fields["mem_mb"] = memory_mb(device)
