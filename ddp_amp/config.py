@@ -92,6 +92,9 @@ class TrainConfig:
     profile_steps: StepWindow | None = _opt(None, "A:B: record torch.profiler over optimizer steps A to B on "
                                             "every rank into <run-dir>/profile/ (TensorBoard and Perfetto open it); "
                                             "rank 0 prints the top ops per step", resume="free", kind=STEP_WINDOW)
+    peak_tflops: float = _opt(0.0, "the device's dense peak TFLOP/s for the run's precision, for the log's MFU "
+                              "(0: from the table of known GPUs, docs/peaks.md; a GPU not in it, or a CPU, gets no "
+                              "MFU)", resume="free")
     memory_snapshot: bool = _opt(False, "CUDA only: record the allocator's history and write a memory snapshot "
                                  "to <run-dir>/profile/ at the end of the profile window or training, and on "
                                  "out-of-memory", resume="free")
@@ -271,6 +274,7 @@ NUMBER_LIMITS: dict[str, tuple[float, float]] = {
     "num_workers": (0, 256), "log_every": (1, INT_LIMIT), "ckpt_every": (0, INT_LIMIT),
     "keep_last": (0, 2**31), "max_consecutive_skips": (0, INT_LIMIT), "check_sync_every": (0, INT_LIMIT),
     "preempt_check_s": (1e-12, TEN_YEARS_S), "eval_every": (0, INT_LIMIT), "max_requeues": (0, 10**6),
+    "peak_tflops": (0, 1e7),
 }
 
 

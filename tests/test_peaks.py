@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ddp_amp.errors import UsageError
-from ddp_amp.metrics import dense_peak_tflops, dense_peak_tflops_for, matmul_kind, utilization
+from ddp_amp.amp import Precision
+from ddp_amp.metrics import dense_peak_tflops, dense_peak_tflops_for, utilization
 from ddp_amp.metrics.peaks import GPUS, gpu_model, peak_or_notice
 
 GB = 10**9
@@ -106,14 +107,16 @@ def test_every_entry_is_dense_and_ordered_like_the_hardware() -> None:
 
 
 def test_tf32_is_the_kind_of_fp32_matmuls_only_where_torch_allows_it() -> None:
-    assert matmul_kind("bf16") == "bf16" and matmul_kind("fp8") == "fp8"
+    assert Precision("bf16", "cuda").matmul_kind() == "bf16" and Precision("fp8", "cuda").matmul_kind() == "fp8"
+    fp32 = Precision("fp32", "cuda")
     before = torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
-        assert matmul_kind("fp32") == "fp32"
+        assert fp32.matmul_kind((9, 0)) == "fp32"
         torch.backends.cuda.matmul.allow_tf32 = True
-        assert matmul_kind("fp32") == "tf32"
-        assert matmul_kind("fp32", torch.device("cpu")) == "fp32"  # a CPU has no TF32
+        assert fp32.matmul_kind((9, 0)) == "tf32" and fp32.matmul_kind((8, 0)) == "tf32"
+        assert fp32.matmul_kind((7, 0)) == "fp32"  # a V100 has no TF32 units
+        assert Precision("fp32", "cpu").matmul_kind() == "fp32"  # nor a CPU
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
 

@@ -16,11 +16,11 @@ from tests.multiproc import run_train
 NUMERIC = [f.name for f in dataclasses.fields(TrainConfig) if str(f.type) in ("int", "float")]
 # Zero is a documented value of these (their --help says what 0 means).
 ZERO_IS_VALID = {"lr", "clip_grad_norm", "seed", "num_workers", "ckpt_every", "keep_last", "eval_every",
-                 "max_consecutive_skips", "check_sync_every", "loss_scale_min", "max_requeues"}
+                 "max_consecutive_skips", "check_sync_every", "loss_scale_min", "max_requeues", "peak_tflops"}
 
 
 def test_the_table_covers_every_numeric_option() -> None:
-    assert len(NUMERIC) == 21 and "loss_scale_init" in NUMERIC and "preempt_check_s" in NUMERIC
+    assert len(NUMERIC) == 22 and "loss_scale_init" in NUMERIC and "preempt_check_s" in NUMERIC
 
 
 @pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "-1", "0", "1e30", str(10**30)])

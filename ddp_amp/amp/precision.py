@@ -12,6 +12,7 @@ converts.
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -71,12 +72,17 @@ class Precision:
             return _NOTHING
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.autocast_enabled)
 
-    def matmul_kind(self) -> str:
+    def matmul_kind(self, capability: tuple[int, int] | None = None) -> str:
         """What the model's matmuls run in, the key of a device's peak rate: fp8, bf16, fp16,
-        tf32 (fp32 with torch's TF32 matmuls on), or fp32."""
-        if self.name == "fp32" and self.device_type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
-            return "tf32"
-        return self.name
+        or for fp32, tf32 where torch runs fp32 matmuls as TF32: its flag is set
+        (`torch.backends.cuda.matmul.allow_tf32`, or `set_float32_matmul_precision("high")`)
+        and the GPU has TF32 units (NVIDIA compute capability 8.0 or later, `capability`
+        or the current GPU's; on ROCm only with HIPBLASLT_ALLOW_TF32=1 as well)."""
+        if self.name != "fp32" or self.device_type != "cuda" or not torch.backends.cuda.matmul.allow_tf32:
+            return self.name
+        if torch.version.hip is not None:
+            return "tf32" if os.environ.get("HIPBLASLT_ALLOW_TF32") == "1" else "fp32"
+        return "tf32" if (capability or torch.cuda.get_device_capability()) >= (8, 0) else "fp32"
 
     @property
     def divergence_advice(self) -> str:

@@ -107,7 +107,7 @@ def _row(ctx: DistContext, shape: GPTShape, precision: Precision, compiled: bool
         "trainer_over_hand": paired_ratio(times[0], times[1]),
         "tokens_per_s": shape.tokens_per_step * ctx.world_size / step_s["trainer"],
     }
-    row["tflops"], row["mfu"] = utilization(flops, step_s["trainer"], device, precision.name)
+    row["tflops"], row["mfu"] = utilization(flops, step_s["trainer"], device, precision.matmul_kind())
     if compiled:
         row["loss_eager_over_compiled"] = paired_ratio(times[1], times[2])
     return row

@@ -16,7 +16,6 @@ guess. `dense_peak_tflops` logs one notice per unknown GPU name and process; a u
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -119,7 +118,7 @@ def dense_peak_tflops_for(name: str, capability: tuple[int, int], sm_count: int 
     `name`, `capability`, `sm_count` and `memory_bytes` are what torch reports
     (`get_device_properties`: name, (major, minor), multi_processor_count, total_memory).
     `matmul_kind` is one of fp8, bf16, fp16, tf32, fp32: the kind the matmuls run as, which
-    the caller decides (`matmul_kind()` turns fp32 into tf32 where torch allows it). None for
+    the caller decides (`Precision.matmul_kind` turns fp32 into tf32 where torch runs it so). None for
     an unknown GPU or a kind the chip has no rate for (fp8 on an A100). Needs no GPU.
     """
     if matmul_kind not in MATMUL_KINDS:
@@ -127,22 +126,6 @@ def dense_peak_tflops_for(name: str, capability: tuple[int, int], sm_count: int 
                          "the run's precision decides it; fp32 runs as tf32 where torch allows it")
     gpu = gpu_model(name, capability, sm_count, memory_bytes)
     return None if gpu is None else gpu.tflops.get(matmul_kind)
-
-
-def matmul_kind(precision: str, device: torch.device | None = None) -> str:
-    """The kind `precision`'s matmuls run as: fp32 runs as tf32 where torch allows TF32
-    (`torch.backends.cuda.matmul.allow_tf32`, or `set_float32_matmul_precision("high")`) and
-    the GPU has it (NVIDIA compute capability 8.0 or later; on ROCm only with
-    HIPBLASLT_ALLOW_TF32=1 as well). Other precisions are their own kind."""
-    if precision != "fp32" or not torch.backends.cuda.matmul.allow_tf32:
-        return precision
-    if device is None:  # no device to ask: the flag decides
-        return "tf32"
-    if device.type != "cuda":
-        return "fp32"
-    if torch.version.hip is not None:
-        return "tf32" if os.environ.get("HIPBLASLT_ALLOW_TF32") == "1" else "fp32"
-    return "tf32" if torch.cuda.get_device_capability(device) >= (8, 0) else "fp32"
 
 
 def dense_peak_tflops(device: torch.device, matmul_kind: str,
@@ -173,6 +156,6 @@ def peak_or_notice(name: str, capability: tuple[int, int], sm_count: int | None,
     if peak is None and name not in _noticed:
         _noticed.add(name)
         log.warning("no dense %s peak is known for %r (compute capability %d.%d, %s SMs): MFU is not "
-                    "reported (docs/peaks.md: the GPUs known, and how to give a peak yourself)",
+                    "reported (give it with --peak-tflops; docs/peaks.md lists the GPUs known)",
                     matmul_kind, name, capability[0], capability[1], sm_count)
     return peak

@@ -19,7 +19,7 @@ import psutil
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ddp_amp.metrics.peaks import dense_peak_tflops, matmul_kind
+from ddp_amp.metrics.peaks import dense_peak_tflops
 
 T = TypeVar("T")
 
@@ -39,24 +39,25 @@ def memory_mb(device: torch.device) -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def utilization(flops_per_step: int, step_time: float, device: torch.device, precision: str,
+def utilization(flops_per_step: int, step_time: float, device: torch.device, matmul_kind: str,
                 override_tflops: float | None = None) -> tuple[float, float | None]:
-    """(achieved TFLOP/s, MFU) of steps of `flops_per_step` taking `step_time` s; MFU is None
-    where the device's dense peak for `precision` is unknown and no `override_tflops` is given."""
+    """(achieved TFLOP/s, MFU) of steps of `flops_per_step` taking `step_time` s, whose matmuls
+    run as `matmul_kind` (`Precision.matmul_kind()`); MFU is None where the device's dense
+    peak for it is unknown and no `override_tflops` is given."""
     achieved = flops_per_step / step_time / 1e12
-    peak = dense_peak_tflops(device, matmul_kind(precision, device), override_tflops)
+    peak = dense_peak_tflops(device, matmul_kind, override_tflops)
     return achieved, (achieved / peak if peak else None)
 
 
 def throughput_fields(flops_per_step: int | None, step_time: float, samples_per_s: float,
-                      tokens_per_sample: int, device: torch.device, precision: str,
+                      tokens_per_sample: int, device: torch.device, matmul_kind: str,
                       override_tflops: float | None = None) -> dict[str, Any]:
     """The log's throughput and memory fields for a window of steps (absent where unknown)."""
     fields: dict[str, Any] = {}
     if tokens_per_sample:
         fields["tokens_per_s"] = samples_per_s * tokens_per_sample
     if flops_per_step and step_time > 0:
-        fields["tflops"], mfu = utilization(flops_per_step, step_time, device, precision, override_tflops)
+        fields["tflops"], mfu = utilization(flops_per_step, step_time, device, matmul_kind, override_tflops)
         if mfu is not None:
             fields["mfu"] = mfu
     fields["mem_mb"] = memory_mb(device)

@@ -258,7 +258,7 @@ class Trainer:
             "step_time": step_time,
             "peak_mem_mb": peak_memory_mb(self.device),
             **throughput_fields(self.flops_per_step, step_time, samples_per_s, self.task.tokens_per_sample,
-                                self.device, precision.matmul_kind()),
+                                self.device, precision.matmul_kind(), self.config.peak_tflops or None),
             # A step_fn's own scalars, averaged over ranks (the same names on every rank).
             **{name: self._mean_across_ranks(value) for name, value in sorted(self.extras.items())},
         }
