@@ -8,8 +8,8 @@
     python -m ddp_amp.bench --json bench.json       # also write the figures as JSON
     python -m ddp_amp.bench --help                  # every option
 
-On a CPU the sizes default to 1/16 of the recipe (--scale) so each section takes about a
-minute; low precision on a CPU without bf16/fp16 units is many times slower than fp32, and
+On a CPU the sizes default to 1/16 of the recipe (--scale) so the sections stay short;
+low precision on a CPU without bf16/fp16 units is many times slower than fp32, and
 the table shows that as measured. Exit codes: 0 done, 2 bad input, 1 a failed section (or,
 with --check, a target missed).
 """
@@ -109,10 +109,12 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.scale = args.scale if args.scale is not None else (1.0 if cuda else 0.0625)
     args.ranks = args.ranks or (max(torch.cuda.device_count(), 1) if cuda else 2)
     args.fastpaths_precision = args.fastpaths_precision or ("fp16" if cuda else "fp32")
-    # The host section's steps are ~0.1-1 ms: it keeps its own counts unless told otherwise.
+    # The host section's micro steps are the shortest (docs/benchmarks.md): it keeps its own
+    # counts unless told otherwise.
     args.host_blocks = args.blocks or host.BLOCKS
     args.host_steps = args.steps_per_block or host.STEPS_PER_BLOCK
-    # A transformer step is 20-200 ms on a GPU: fewer, shorter blocks for the same confidence.
+    # Transformer steps are the longest (docs/benchmarks.md): fewer, shorter blocks for the
+    # same confidence.
     args.transformer_blocks = args.blocks or (10 if cuda else 4)
     args.transformer_steps = args.steps_per_block or (4 if cuda else 2)
     args.checkpoint_pairs = args.blocks or (10 if cuda else 5)

@@ -102,9 +102,10 @@ def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: in
 def _agreement_cost(ctx: DistContext, blocks: int, steps: int) -> dict[str, Any]:
     """Tiny model, loss scaling on but fp32 compute: the agreement's cost without slow fp16 kernels.
 
-    On a CPU without fp16 units a tiny fp16 step is ~4x slower than fp32 (docs/facts.md), which
-    hides a ~0.2 ms collective in noise; with autocast off the step is as short as it gets
-    while the scaler still runs its found-inf check and all-reduce.
+    On a CPU without fp16 units a tiny fp16 step is several times slower than fp32, long
+    enough to hide a collective's cost in its noise (docs/facts.md: "Low precision on a CPU
+    without bf16/fp16 units is slow", "Timing noise"); with autocast off the step is as
+    short as it gets while the scaler still runs its found-inf check and all-reduce.
     Collective: every rank runs the same schedule.
     """
     precision = Precision("fp16", ctx.device.type)
