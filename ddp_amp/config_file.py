@@ -6,7 +6,8 @@ means an underscore, so `batch-size` and `batch_size` are the same key), every v
 the option's TOML type. Ranges, choices and cross-option rules are the caller's, applied
 to file values and flags alike. Writing covers exactly the value kinds options have:
 strings, integers, floats, booleans and lists of strings. Errors are one-line
-`UsageError`s that name the file.
+`UsageError`s that name the file. The reader is the standard library's `tomllib` from
+Python 3.11 on, and `tomli` (the same parser, a dependency there) on Python 3.10.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import difflib
 import math
 import re
 from collections.abc import Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 from ddp_amp.errors import UsageError
@@ -54,20 +56,32 @@ def option_name(key: str) -> str:
     return key.replace("-", "_")
 
 
-def _load(path: str) -> dict[str, Any]:
-    try:  # the standard library reads TOML from Python 3.11 on
+def _toml_reader(path: str) -> ModuleType:
+    """The standard library's `tomllib` (Python 3.11+), else `tomli`: the same parser, as
+    published before Python took it in, and a dependency of ddp_amp on Python 3.10."""
+    try:
         import tomllib
+        return tomllib
     except ModuleNotFoundError:
-        raise UsageError("--config", path, "Python 3.11 or newer (its tomllib reads TOML)",
-                         "pass the options as flags instead") from None
+        pass
+    try:
+        import tomli
+        return tomli
+    except ModuleNotFoundError:
+        raise UsageError("--config", path, "Python 3.11 or newer, or the tomli package (a TOML reader)",
+                         "pip install tomli, or pass the options as flags instead") from None
+
+
+def _load(path: str) -> dict[str, Any]:
+    toml = _toml_reader(path)
     try:
         with open(path, "rb") as file:
-            return tomllib.load(file)
+            return toml.load(file)
     except OSError as error:
         raise UsageError("--config", path, "a readable TOML file", error.strerror or str(error)) from None
     except UnicodeDecodeError:
         raise UsageError("--config", path, "a TOML file in UTF-8", "re-save it as UTF-8") from None
-    except tomllib.TOMLDecodeError as error:
+    except toml.TOMLDecodeError as error:
         raise UsageError("--config", path, "a valid TOML file", str(error)) from None
 
 

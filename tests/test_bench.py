@@ -1,19 +1,27 @@
-"""`python -m ddp_amp.bench`: --help, and a tiny CPU run of every section with its JSON.
+"""`python -m ddp_amp.bench`: --help, and a tiny CPU run of every section with its JSON and `--check`.
 
-Structure and sanity only (every trial printed, ratios positive and finite); speed targets
-are the benchmark's business, not the tests'.
+Structure and sanity only (every trial printed, ratios positive and finite); whether a
+target is met is the benchmark's business, not the tests'. How `--check` compares is
+tested on the tiny run's own result dicts, with figures set on either side of each target.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
+import pytest
+
+from ddp_amp.bench import overhead, transformer
+from ddp_amp.bench.__main__ import check
+from ddp_amp.bench.targets import target_fields
 from tests.multiproc import REPO_ROOT, cli_env
+
+Run = tuple[subprocess.CompletedProcess[str], dict[str, Any]]
 
 
 def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -42,19 +50,25 @@ def test_bad_section_is_a_one_line_usage_error() -> None:
     assert "nope" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_tiny_cpu_run_prints_every_figure_and_writes_json(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """One tiny CPU run of every section, with --check and --json, for the tests below."""
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
     result = _bench("--device", "cpu", "--scale", "0.004", "--batches", "2", "--epochs", "1",
                     "--blocks", "2", "--steps-per-block", "1", "--transformer-precisions", "fp32,fp8",
-                    "--json", str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
+                    "--check", "--json", str(out))
+    assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result, json.loads(out.read_text())
+
+
+def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None:
+    result, report = tiny_run
     text = result.stdout
     for trial in ("fp32", "fp16", "bf16"):
         assert f"\n{trial} " in text, trial
     assert "trainer / hand-written recipe:" in text and "IQR" in text
     assert "Agreed overflow decision" in text and "agreed / unagreed" in text and "pinned non-blocking H2D copy" in text
 
-    report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["torch"] == __import__("torch").__version__
     assert report["date"] and report["device_name"]
     recipe = report["sections"]["recipe"]
@@ -96,3 +110,78 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tmp_path: Path) -> Non
     estimate = 6 * transformer["parameters"] * transformer["shape"]["batch"] * transformer["shape"]["sequence"]
     assert 0.5 * estimate < rows["fp32"]["flops_per_step"] < 2 * estimate
     assert "Transformer: GPT-2-shaped decoder" in text and "fp8: not run" in text
+
+
+def test_check_lists_every_target_and_exits_1_exactly_when_one_is_missed(tiny_run: Run) -> None:
+    result, report = tiny_run
+    host = report["sections"]["host"]["rows"]
+    missed = [row for row in host if row["over_hand"]["median"] > row["target"]]
+    assert result.returncode == (1 if missed else 0), result.stderr[-3000:]
+    text = result.stdout[result.stdout.index("Targets (--check) on cpu:"):]
+    lines = text.splitlines()[1:]
+    assert len([line for line in lines if " host " in line]) == len(host) == 12  # compared on any device
+    assert all(line.lstrip().startswith(("met ", "MISSED ")) for line in lines if " host " in line)
+    for where in ("overhead recipe model", "overhead tiny model", "transformer fp32 eager",
+                  "transformer: compiled bf16 MFU"):  # a GPU's targets: not applicable on a CPU, and said so
+        line = next(line for line in lines if where in line)
+        assert line.lstrip().startswith("n/a ") and "this run is on cpu" in line, line
+    assert "no targets stated: recipe, fastpaths, checkpoint" in text
+    assert ("targets missed: host" in result.stderr) == bool(missed)
+
+
+def test_a_missed_target_fails_the_check_also_in_a_row_added_later(tiny_run: Run,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    report = {"device": "cpu", "sections": {"host": copy.deepcopy(tiny_run[1]["sections"]["host"])}}
+    rows = report["sections"]["host"]["rows"]
+    for row in rows:
+        row.update(target_fields("trainer / hand", 0.95 * row["target"], row["target"]))
+    assert check(report) == 0
+    fp16 = next(index for index, row in enumerate(rows) if (row["loop"], row["precision"]) == ("trainer", "fp16"))
+    rows[fp16].update(target_fields("trainer / hand", 1.06 * rows[fp16]["target"], rows[fp16]["target"]))
+    assert check(report) == 1
+    out = capsys.readouterr()
+    assert "MISSED  host trainer fp16, no group: trainer / hand 1.11, target at most 1.05" in out.out
+    assert out.err.strip().endswith("targets missed: host trainer fp16, no group")
+
+    rows[fp16].update(target_fields("trainer / hand", rows[fp16]["target"], rows[fp16]["target"]))  # on the line
+    rows.append({"loop": "session", "precision": "bf16", "ddp": False, "target": 1.05, "meets_target": False})
+    assert check(report) == 1  # a row of a new kind, with only a target and its verdict
+    assert capsys.readouterr().err.strip().endswith("targets missed: host session bf16, no group")
+
+
+def test_gpu_targets_are_compared_on_a_gpu_and_not_applicable_on_a_cpu(tiny_run: Run,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    sections = {name: copy.deepcopy(tiny_run[1]["sections"][name]) for name in ("overhead", "transformer")}
+    report = {"device": "cuda", "sections": sections}
+    bench_overhead, bench_transformer = sections["overhead"], sections["transformer"]
+    rows = bench_transformer["rows"]
+    fp32 = next(row for row in rows if row["precision"] == "fp32")
+    fp32["trainer_over_hand"]["median"] = 1.0
+    bf16 = dict(copy.deepcopy(fp32), precision="bf16", compiled=True, mfu=0.55)
+    rows.append(bf16)
+    bench_overhead["recipe_model"]["trainer_over_hand"]["median"] = 1.01
+    bench_overhead["tiny_model"]["trainer_over_hand"]["median"] = 1.04
+
+    def checked(device: str) -> tuple[int, str]:
+        overhead.add_targets(bench_overhead, device)
+        transformer.add_targets(bench_transformer, device)
+        code = check(report)
+        return code, capsys.readouterr().out
+
+    code, text = checked("cuda")
+    assert code == 0 and text.count("met ") == 5, text  # 2 overhead models, 2 transformer rows, the MFU
+    assert "n/a     transformer fp8" in text  # a precision this GPU could not run: says so, does not fail
+    bf16["mfu"] = 0.3
+    code, text = checked("cuda")
+    assert code == 1 and "MISSED  transformer: compiled bf16 MFU 0.3, target at least 0.5" in text, text
+    bf16["mfu"] = 0.55
+    bench_overhead["recipe_model"]["trainer_over_hand"]["median"] = 1.03
+    code, text = checked("cuda")
+    assert code == 1 and "MISSED  overhead recipe model" in text, text
+    rows.append({"precision": "fp16", "compiled": False, "failed": "RuntimeError: out of memory"})
+    bench_overhead["recipe_model"]["trainer_over_hand"]["median"] = 1.01
+    code, text = checked("cuda")
+    assert code == 1 and "MISSED  transformer fp16 eager: trainer / hand, target at most 1.02 (not measured)" in text
+
+    code, text = checked("cpu")  # the same figures on a CPU: none of these targets applies
+    assert code == 0 and "MISSED" not in text and "met " not in text, text

@@ -21,8 +21,10 @@ from ddp_amp.train import main
 from ddp_amp.trainer.resume_plan import compare_settings
 from tests.multiproc import cli_env
 
-# --config reads TOML with the standard library's tomllib, new in Python 3.11
-tomllib = pytest.importorskip("tomllib")
+try:  # --config reads TOML with the standard library's tomllib (Python 3.11+), else tomli
+    import tomllib
+except ModuleNotFoundError:
+    tomllib = pytest.importorskip("tomli")
 
 
 def _write(tmp_path: Path, text: str, name: str = "run.toml") -> str:

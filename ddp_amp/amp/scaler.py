@@ -68,7 +68,8 @@ class AgreedGradScaler(torch.amp.GradScaler):
         self._peers_of: object = None
         self._peers = False
         # Per optimizer step function: does it take the old `grad_scaler` keyword? torch's
-        # `step` asks `inspect.signature` on every step, about 70 us of host time each.
+        # `step` asks `inspect.signature` on every step, host time a fused step need not pay
+        # (docs/facts.md, "Host time on the hot path").
         self._takes_scaler_kwarg: dict[Callable[..., Any], bool] = {}
         self._unit: torch.Tensor | None = None  # the 1.0 "inverse scale" of the inf check, made once
 
@@ -176,7 +177,8 @@ class AgreedGradScaler(torch.amp.GradScaler):
         super().update(new_scale)
         if floor and self._scale is not None:
             # Without hysteresis, next_scale's rule is torch's own fused update (one kernel
-            # instead of ~15 small ops, each a launch on a GPU) plus the floor: clamp after it.
+            # instead of next_scale's chain of small ops, each a launch on a GPU) plus the
+            # floor: clamp after it.
             self._scale.clamp_(min=self.min_scale)
 
     def state_dict(self) -> dict[str, Any]:

@@ -3,15 +3,20 @@
     python -m ddp_amp.bench                         # all sections; recipe sizes on a GPU
     python -m ddp_amp.bench --sections recipe       # only the AMP recipe trials
     python -m ddp_amp.bench --sections host --check # Trainer and Session host time; exit 1 off target
+    python -m ddp_amp.bench --check                 # every stated target: met, missed or n/a here
     python -m ddp_amp.bench --sections transformer  # GPT-2 small: tokens/s, memory, MFU (GPU)
     python -m ddp_amp.bench --sections checkpoint --scale 1  # async vs sync save stall, 101M params
     python -m ddp_amp.bench --json bench.json       # also write the figures as JSON
     python -m ddp_amp.bench --help                  # every option
 
-On a CPU the sizes default to 1/16 of the recipe (--scale) so each section takes about a
-minute; low precision on a CPU without bf16/fp16 units is many times slower than fp32, and
+On a CPU the sizes default to 1/16 of the recipe (--scale) so the sections stay short;
+low precision on a CPU without bf16/fp16 units is many times slower than fp32, and
 the table shows that as measured. Exit codes: 0 done, 2 bad input, 1 a failed section (or,
 with --check, a target missed).
+
+Targets (targets.py): host, Trainer / hand in every row, on any device; overhead and
+transformer, a GPU's (not applicable on a CPU, and `--check` says so); recipe, fastpaths
+and checkpoint report figures without targets.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any, NoReturn
 import torch
 
 from ddp_amp.bench import amp_recipe, checkpoint_stall, fastpaths, host, overhead, table, transformer
+from ddp_amp.bench.targets import check_report, check_text
 
 SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint")
 
@@ -88,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per process (default: all cores for recipe trials, cores/ranks for ranks)")
     parser.add_argument("--check", action="store_true",
-                        help="exit 1 if a section with targets (host) misses one (default: report only)")
+                        help="print every stated target of the sections run, met, missed or not applicable "
+                        "on this device (host: any device; overhead, transformer: a GPU), and exit 1 if "
+                        "one is missed (default: report only)")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write every figure, with device, torch version and date, as JSON to PATH")
     return parser
@@ -109,10 +117,12 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.scale = args.scale if args.scale is not None else (1.0 if cuda else 0.0625)
     args.ranks = args.ranks or (max(torch.cuda.device_count(), 1) if cuda else 2)
     args.fastpaths_precision = args.fastpaths_precision or ("fp16" if cuda else "fp32")
-    # The host section's steps are ~0.1-1 ms: it keeps its own counts unless told otherwise.
+    # The host section's micro steps are the shortest (docs/benchmarks.md): it keeps its own
+    # counts unless told otherwise.
     args.host_blocks = args.blocks or host.BLOCKS
     args.host_steps = args.steps_per_block or host.STEPS_PER_BLOCK
-    # A transformer step is 20-200 ms on a GPU: fewer, shorter blocks for the same confidence.
+    # Transformer steps are the longest (docs/benchmarks.md): fewer, shorter blocks for the
+    # same confidence.
     args.transformer_blocks = args.blocks or (10 if cuda else 4)
     args.transformer_steps = args.steps_per_block or (4 if cuda else 2)
     args.checkpoint_pairs = args.blocks or (10 if cuda else 5)
@@ -190,9 +200,15 @@ def main(argv: list[str] | None = None) -> int:
         scratch.write_text(json.dumps(report, indent=2) + "\n")
         os.replace(scratch, path)  # a failed run never leaves half a file
         print(f"\nwrote {path}")
-    missed = [name for name, section in report["sections"].items() if section.get("meets_targets") is False]
-    if args.check and missed:
-        print(f"ddp_amp.bench: targets missed in: {', '.join(missed)}", file=sys.stderr)
+    return check(report) if args.check else 0
+
+
+def check(report: dict[str, Any]) -> int:
+    """Print every stated target of `report` and how it fared; 1 if any was missed, else 0."""
+    print("\n" + check_text(report), flush=True)
+    missed = [outcome.where for outcome in check_report(report)[0] if outcome.met is False]
+    if missed:
+        print(f"ddp_amp.bench: targets missed: {'; '.join(missed)}", file=sys.stderr)
         return 1
     return 0
 

@@ -2,8 +2,8 @@
 
 Each trial trains the same freshly seeded network on the same batches in a fresh process,
 so one trial's memory peak (on CPU the process's peak RSS, a high-water mark that never
-falls) cannot carry over into the next. Published figures for the full-size recipe on an
-older tensor-core GPU: fp32 9.4 s, AMP 2.7-3.1 s.
+falls) cannot carry over into the next. docs/benchmarks.md (GPU figures) sets the
+measured figures beside those the recipe publishes.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ Contenders run interleaved in blocks inside one run on the same ranks (stats.py)
 Both loops get the same model init, the same pre-made batches, the same precision, the
 same optimizer kernels and the same DDP options, so the ratio is the launcher's own cost.
 The Trainer's data stream is replaced by the same pre-made batches the hand loop uses.
+
+Targets, Trainer / hand at most `TARGETS[model]`, are a GPU's: there the recipe model's
+step has compute for the host time to hide behind, and the tiny model's has little. On a
+CPU they do not apply (the host section holds the Trainer's own cost to its target there).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch.utils.data import TensorDataset
 from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.bench.recipe import HandLoop, RecipeSize, make_batches, seeded_model
 from ddp_amp.bench.stats import interleave, median_ms, paired_ratio
+from ddp_amp.bench.targets import target_fields
 from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import DistContext
 from ddp_amp.amp import Precision
@@ -32,6 +37,7 @@ from ddp_amp.tasks import Task
 from ddp_amp.trainer import Trainer, build_trainer, session_for
 
 TINY = RecipeSize(width=256, batch=64, layers=2)  # Python overhead dominates its step
+TARGETS = {"recipe_model": 1.02, "tiny_model": 1.05}  # Trainer / hand, on a GPU
 N_BATCHES = 8  # distinct pre-made batches per rank, cycled
 
 
@@ -96,9 +102,10 @@ def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: in
 def _agreement_cost(ctx: DistContext, blocks: int, steps: int) -> dict[str, Any]:
     """Tiny model, loss scaling on but fp32 compute: the agreement's cost without slow fp16 kernels.
 
-    On a CPU without fp16 units a tiny fp16 step is ~4x slower than fp32 (docs/facts.md), which
-    hides a ~0.2 ms collective in noise; with autocast off the step is as short as it gets
-    while the scaler still runs its found-inf check and all-reduce.
+    On a CPU without fp16 units a tiny fp16 step is several times slower than fp32, long
+    enough to hide a collective's cost in its noise (docs/facts.md: "Low precision on a CPU
+    without bf16/fp16 units is slow", "Timing noise"); with autocast off the step is as
+    short as it gets while the scaler still runs its found-inf check and all-reduce.
     Collective: every rank runs the same schedule.
     """
     precision = Precision("fp16", ctx.device.type)
@@ -130,5 +137,15 @@ def _measure_both(ctx: DistContext, size: RecipeSize, precision_name: str, block
 def run(device: str, ranks: int, scale: float, precision: str, blocks: int, steps: int,
         threads: int = 0, backend: str = "auto") -> dict[str, Any]:
     """The overhead on the (scaled) recipe model and on the tiny model, `ranks` processes."""
-    return run_ranks(_measure_both, ranks, RecipeSize().scaled(scale), precision, blocks, steps, device=device,
-                     threads=threads, backend=backend, timeout=1800)[0]
+    section = run_ranks(_measure_both, ranks, RecipeSize().scaled(scale), precision, blocks, steps, device=device,
+                        threads=threads, backend=backend, timeout=1800)[0]
+    add_targets(section, device)
+    return section
+
+
+def add_targets(section: dict[str, Any], device: str) -> None:
+    """Each model's Trainer / hand against `TARGETS`, which apply on a GPU only."""
+    not_here = "" if device == "cuda" else f"a GPU's target; this run is on {device}"
+    for model, target in TARGETS.items():
+        measured = section[model]["trainer_over_hand"]["median"]
+        section[model].update(target_fields("trainer / hand", measured, target, not_here=not_here))

@@ -1,6 +1,7 @@
 """Interleaved timing and paired ratios: how two contenders are compared on a noisy machine.
 
-Per-step times of the same 2-rank job vary about +-15% from run to run (docs/facts.md), so
+Per-step times of the same 2-rank job vary from run to run by more than the differences
+measured here (docs/facts.md, "Timing noise, and what a collective costs"), so
 contenders run in alternating blocks of steps inside one run (A B, B A, A B, ...: the order
 flips every round), each block timed on its own, and each round's A block is paired with
 its B block. The median of

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ddp_amp.bench.targets import verdict_text
+
 
 def _num(value: Any, digits: int = 3) -> str:
     if value is None:
@@ -38,7 +40,7 @@ def host_table(section: dict[str, Any]) -> str:
              f"{section['blocks']} interleaved blocks x {section['steps_per_block']} steps")
     rows = [[row["loop"], row["precision"], f"group of {row['ranks']} (DDP)" if row["ddp"] else "none",
              row["step_us"]["hand"], row["step_us"][row["loop"]], row["extra_us"],
-             ratio_text(row["over_hand"]), row["target"], "yes" if row["meets_target"] else "NO"]
+             ratio_text(row["over_hand"]), row["target"], {True: "yes", False: "NO", None: "n/a"}[row["meets_target"]]]
             for row in section["rows"]]
     return title + "\n" + grid(["loop", "precision", "process group", "hand us", "loop us", "extra us",
                                 "loop / hand", "target", "met"], rows)
@@ -66,7 +68,8 @@ def overhead_table(section: dict[str, Any]) -> str:
         lines = [f"Overhead, {label} ({size['layers']} x Linear({size['width']},{size['width']}), batch "
                  f"{size['batch']}/rank, {run['precision']}, {run['ranks']} ranks{ddp}, {run['blocks']} blocks x "
                  f"{run['steps_per_block']} steps, interleaved): median step {steps}",
-                 f"  trainer / hand-written recipe: {ratio_text(run['trainer_over_hand'])}",
+                 f"  trainer / hand-written recipe: {ratio_text(run['trainer_over_hand'])}"
+                 + (f" ({verdict_text(run)})" if "target" in run else ""),
                  f"  found-inf all-reduces run by the trainer (one per step with peers): {run['agreements']}"]
         parts.append("\n".join(lines))
     cost = section["agreement_cost"]

@@ -11,6 +11,9 @@ Compiled rows compile the hand loop's model (`torch.compile(model)`, then DDP) a
 Trainer with `--compile` (the model inside the autocast wrapper, and the loss on its own);
 a third contender, the Trainer with only the model compiled, shows what compiling the loss
 adds. A precision the device cannot run (fp8 without float8 matmuls) is a row that says why.
+
+Targets (`TARGETS`, stated for an H100, so checked on a GPU only): Trainer / hand in every
+row, and the MFU of the compiled bf16 Trainer.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ddp_amp.bench.overhead import trainer_on_batches
 from ddp_amp.metrics.throughput import counting_flops, utilization
 from ddp_amp.bench.recipe import HandLoop
 from ddp_amp.bench.stats import interleave, median_ms, paired_ratio
+from ddp_amp.bench.targets import AT_LEAST, target_fields
 from ddp_amp.distributed import DistContext
 from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.errors import UsageError
@@ -151,4 +155,22 @@ def run(device: str, with_compile: bool, blocks: int, steps: int, precisions: tu
     if "bf16" in compiled and "fp8" in compiled:
         section["fp8_speedup_over_bf16_compiled"] = (compiled["bf16"]["step_ms"]["trainer"]
                                                      / compiled["fp8"]["step_ms"]["trainer"])
+    add_targets(section, device)
     return section
+
+
+def add_targets(section: dict[str, Any], device: str) -> None:
+    """Every row's Trainer / hand and the compiled bf16 MFU against `TARGETS` (a GPU's)."""
+    not_here = "" if device == "cuda" else f"a GPU's target, stated for an H100; this run is on {device}"
+    for row in section["rows"]:
+        ratio = row.get("trainer_over_hand")  # none in a failed row: not measured
+        row["target_checks"] = [target_fields("trainer / hand", ratio["median"] if ratio else None,
+                                              TARGETS["trainer_over_hand"],
+                                              not_here=not_here or row.get("skipped", ""))]
+    bf16 = next((row for row in section["rows"] if row["precision"] == "bf16" and row.get("compiled")), None)
+    why = not_here or ("no compiled bf16 row in this run: it needs bf16 among the precisions, and compiling"
+                       if bf16 is None else "")
+    if not why and bf16 is not None and "failed" not in bf16 and bf16.get("mfu") is None:
+        why = "no known dense bf16 peak for this GPU"
+    section["target_checks"] = [target_fields("compiled bf16 MFU", bf16.get("mfu") if bf16 else None,
+                                              TARGETS["bf16_compiled_mfu"], AT_LEAST, why)]

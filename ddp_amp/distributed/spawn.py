@@ -9,11 +9,12 @@ process per trial, so memory peaks do not carry over) and by the multi-rank test
 must be a module-level function of an importable module: it is pickled by name.
 
 The children fork from a server process that imported torch once (multiprocessing's
-forkserver): a child then starts in a fraction of a second, where a new interpreter spends
-about 2.4 s of CPU importing torch (docs/facts.md). The server was started with the
-environment and standard streams of the parent's first call, so each child takes the
-parent's current ones from its arguments (a test that captures its output then sees its
-own children's); multiprocessing itself gives it the parent's directory and sys.path.
+forkserver): a child then starts at once, where a new interpreter spends seconds of CPU
+importing torch (docs/facts.md, "A new interpreter spends seconds importing torch"). The
+server was started with the environment and standard streams of the parent's first call, so
+each child takes the parent's current ones from its arguments (a test that captures its
+output then sees its own children's); multiprocessing itself gives it the parent's directory
+and sys.path.
 """
 
 from __future__ import annotations

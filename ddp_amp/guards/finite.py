@@ -7,9 +7,9 @@ every checkpoint in between would commit the broken weights and retention would 
 finite ones. Here:
 - every step's loss is kept (by reference, no op; on a CPU only `COPY_EVERY` steps at a
   time, then copied into a buffer made once, in one op: a thousand kept 0-d tensors
-  scattered through the heap stop the C allocator from giving freed memory back, and a
-  process grew by about 1 GB in 100 steps of the `lm` task; one copy per step cost about
-  1% of a micro step's host time); every `FOLD_EVERY` steps and before a check they are
+  scattered through the heap stop the C allocator from giving freed memory back, while one
+  copy per step shows in a micro step's host time: docs/facts.md, "Host time on the hot
+  path"); every `FOLD_EVERY` steps and before a check they are
   folded on the device into the first non-finite step (a few vectorized ops, no host
   sync), so the stop can name the step where it went wrong;
 - before every checkpoint, each rank checks its weights (one pass over them, read once)

@@ -22,7 +22,8 @@ and hooks put on the accumulator node itself rather than on the tensor run after
 tensor's hooks, so after the check: a NaN they write is skipped but not named.
 
 Cost. Nothing while disarmed: no hook at all, and DDP keeps its built-in C++ all-reduce
-(a Python comm hook cost ~150 us of host time per step on a micro model, docs/facts.md).
+(a Python comm hook costs several times the built-in one's host time: docs/facts.md, "Host
+time on the hot path").
 The watch arms the probe when it first sees skipped steps (at a check step), and disarms
 it after `ARMED_FOR` steps with no new skip. While armed, each parameter's gradient gets one sum
 and a flag per step (and the move of its check: two Python hook calls per parameter and
@@ -69,10 +70,11 @@ def _moves_last(check: RemovableHandle) -> Callable[[torch.Tensor], None]:
 def _sum_nonfinite(tensor: torch.Tensor) -> torch.Tensor:
     """0-d bool tensor, cheap: is the sum of `tensor` inf/NaN (no host sync).
 
-    Any inf/NaN element makes the sum non-finite. One reduction pass with no temporary:
-    on a CPU ~40x cheaper than `isfinite(t).any()` over a 1M-element tensor (0.43 ms vs
-    18.6 ms). It can also fire for finite values whose sum exceeds fp32's range; the
-    exact check confirms before a name is reported.
+    Any inf/NaN element makes the sum non-finite. One reduction pass with no temporary,
+    where `isfinite(t).any()` writes a bool tensor as large as `t` and reads it again: on a
+    CPU many times cheaper (docs/facts.md, "A sum finds inf/NaN"). It can also fire for
+    finite values whose sum exceeds fp32's range; the exact check confirms before a name is
+    reported.
     """
     return torch.isfinite(tensor.float().sum()).logical_not()
 

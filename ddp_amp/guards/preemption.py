@@ -9,10 +9,10 @@ step. The checkpoint is then written in normal control flow, and under SLURM ran
 `scontrol requeue` to put the job back in the queue, where it resumes from that checkpoint.
 
 How often to agree: every check costs a collective and, on a GPU, a host sync that stalls
-the launch queue (a bare 1-element gloo all-reduce took ~180 us on a 2-core CPU,
-docs/facts.md). The watch checks about every `check_s` seconds of training instead of
-every step: the all-reduce also carries each rank's measured step time (MAX), so every
-rank computes the same next check step.
+the launch queue (docs/facts.md, "Timing noise, and what a collective costs"). The watch
+checks about every `check_s` seconds of training instead of every step: the all-reduce also
+carries each rank's measured step time (MAX), so every rank computes the same next check
+step.
 """
 
 from __future__ import annotations
