@@ -13,6 +13,7 @@ converts.
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,6 +30,38 @@ PRECISION_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16", "fp8")
 # fp8 autocasts to bf16: only the linear layers' matmuls run in float8.
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 _NOTHING = nullcontext()  # reusable: nullcontext keeps no state
+_THREAD = threading.local()  # this thread's reusable autocast regions (see _Region)
+
+
+class _Region(torch.autocast):
+    """A torch.autocast one thread enters again and again: made once, since its constructor's
+    checks cost more host time than entering it does (docs/facts.md, host time). It keeps
+    what it restores on exit on itself, so it is never entered twice at once: while it is
+    in use, a fresh one is made instead."""
+
+    in_use = False
+
+    def __enter__(self) -> _Region:
+        self.in_use = True
+        return super().__enter__()  # type: ignore[return-value]
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.in_use = False
+        return super().__exit__(*exc)  # type: ignore[no-any-return]
+
+
+def _region(device_type: str, dtype: torch.dtype, enabled: bool) -> AbstractContextManager[Any]:
+    """This thread's reusable region for (device_type, dtype, enabled), or a fresh one where it is in use."""
+    regions: dict[tuple[str, torch.dtype, bool], _Region] | None = getattr(_THREAD, "regions", None)
+    if regions is None:
+        regions = _THREAD.regions = {}
+    key = (device_type, dtype, enabled)
+    region = regions.get(key)
+    if region is None:
+        region = regions[key] = _Region(device_type, dtype=dtype, enabled=enabled)
+    elif region.in_use:  # entered again from inside itself (another state in between)
+        return torch.autocast(device_type, dtype=dtype, enabled=enabled)
+    return region
 
 
 @dataclass(frozen=True)
@@ -65,12 +98,13 @@ class Precision:
         outside any autocast region, a shared no-op context comes back: entering autocast,
         even a disabled one, costs host time on every call (docs/facts.md, host time).
         """
+        enabled = self.name != "fp32"
         if torch.is_autocast_enabled(self.device_type):
-            if self.autocast_enabled and torch.get_autocast_dtype(self.device_type) == self.dtype:
+            if enabled and torch.get_autocast_dtype(self.device_type) == _DTYPES[self.name]:
                 return _NOTHING
-        elif not self.autocast_enabled:
+        elif not enabled:
             return _NOTHING
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.autocast_enabled)
+        return _region(self.device_type, _DTYPES[self.name], enabled)
 
     def matmul_kind(self, capability: tuple[int, int] | None = None) -> str:
         """What the model's matmuls run in, the key of a device's peak rate: fp8, bf16, fp16,

@@ -5,11 +5,12 @@ weights, and every rank's weights after it are non-finite (DDP sums the bad grad
 into everyone's). The logged loss shows it only at the next log step, so without a check
 every checkpoint in between would commit the broken weights and retention would delete the
 finite ones. Here:
-- every step's loss is kept (by reference, no op; on a CPU only `COPY_EVERY` steps at a
-  time, then copied into a buffer made once, in one op: a thousand kept 0-d tensors
-  scattered through the heap stop the C allocator from giving freed memory back, while one
-  copy per step shows in a micro step's host time: docs/facts.md, "Host time on the hot
-  path"); every `FOLD_EVERY` steps and before a check they are
+- every step's loss is kept: on a GPU by reference (no op, no launch); on a CPU copied
+  into its slot of a buffer made once (one op), since kept 0-d tensors cost the CPU more:
+  a thousand of them scattered through the heap stop the C allocator from giving freed
+  memory back, and even a few dozen slow the step down by more than the copy costs
+  (docs/facts.md, "Host time on the hot path"); every `FOLD_EVERY` steps and before a
+  check they are
   folded on the device into the first non-finite step (a few vectorized ops, no host
   sync), so the stop can name the step where it went wrong;
 - before every checkpoint, each rank checks its weights (one pass over them, read once)
@@ -31,7 +32,6 @@ from ddp_amp.errors import TrainingHalted
 
 
 FOLD_EVERY = 1024  # losses kept before they are folded: bounds the list, amortizes the ops
-COPY_EVERY = 8  # on a CPU, losses held by reference before one op copies them into the buffer
 
 
 class FiniteStateGuard:
@@ -40,9 +40,10 @@ class FiniteStateGuard:
     def __init__(self, device: torch.device, track_losses: bool) -> None:
         self.track_losses = track_losses
         self._first_bad = torch.full((), -1, dtype=torch.int64, device=device)
-        self._losses: list[torch.Tensor] = []  # of the steps after those in self._copies
-        self._copies = torch.empty(FOLD_EVERY, device=device) if device.type == "cpu" and track_losses else None
-        self._copied = 0  # losses in self._copies, from self._first_step on
+        self._losses: list[torch.Tensor] = []  # on a GPU: the kept losses themselves
+        # On a CPU: a buffer of FOLD_EVERY losses, and a view of each of its elements, made once.
+        self._copies = torch.empty(FOLD_EVERY) if device.type == "cpu" and track_losses else None
+        self._slots = self._copies.unbind() if self._copies is not None else ()
         self._kept = 0
         self._first_step = 0
 
@@ -52,21 +53,13 @@ class FiniteStateGuard:
         if self.track_losses:
             if not self._kept:
                 self._first_step = step
-            self._losses.append(loss)
+            if self._slots:
+                self._slots[self._kept].copy_(loss.reshape(()) if loss.dim() else loss)
+            else:
+                self._losses.append(loss)
             self._kept += 1
             if self._kept >= FOLD_EVERY:
                 self._fold()
-            elif self._copies is not None and len(self._losses) >= COPY_EVERY:
-                self._copy_out()
-
-    def _copy_out(self) -> None:
-        """Move the losses held by reference into the CPU buffer (one op)."""
-        if not self._losses:
-            return
-        end = self._copied + len(self._losses)
-        torch.stack([loss.reshape(()) if loss.dim() else loss for loss in self._losses],
-                    out=self._copies[self._copied:end])  # type: ignore[index]
-        self._losses, self._copied = [], end
 
     def restart(self) -> None:
         """Fold what was kept: the next recorded step need not follow the last one."""
@@ -76,16 +69,12 @@ class FiniteStateGuard:
         """The first non-finite step among the kept losses, if none was found before (device ops)."""
         if not self._kept:
             return
-        if self._copies is not None:
-            self._copy_out()
-            kept = self._copies[:self._kept]
-        else:
-            kept = torch.stack(self._losses).float()
+        kept = self._copies[:self._kept] if self._copies is not None else torch.stack(self._losses).float()
         bad = torch.isfinite(kept.reshape(-1)).logical_not()
         first = self._first_step + torch.argmax(bad.to(torch.int8))  # argmax: the first maximum
         fresh = torch.where(bad.any(), first.to(torch.int64), -1)
         self._first_bad = torch.where(self._first_bad >= 0, self._first_bad, fresh.to(self._first_bad.device))
-        self._losses, self._kept, self._copied = [], 0, 0
+        self._losses, self._kept = [], 0
 
     @torch.no_grad()
     def check(self, params: Sequence[nn.Parameter], step: int, resume_from: str) -> None:

@@ -67,6 +67,7 @@ class Trainer:
         self.model = session.setup(user_model, compile_model=config.compile, grad_comm_dtype=config.grad_comm_dtype,
                                    static_graph=config.static_graph)
         self._ddp = self.model is not session.local_module(self.model)
+        self._precision = session.precision  # the step enters its autocast: read once here
         # --compile compiles a loss_fn on its own as well: a cross-entropy over a large
         # vocabulary then runs as fused kernels instead of materialising fp32 log-probabilities.
         self.batch_loss = BatchLoss(task, compile_loss=config.compile)
@@ -107,23 +108,8 @@ class Trainer:
         Steady-state steps read nothing from the device (tests/test_host_reads.py): flags,
         counters and losses stay there until a log, check or checkpoint step reads them.
         """
-        accum, session = self.config.grad_accum, self.session
-        step_loss: torch.Tensor | None = None
-        for micro in range(accum):
-            batch = next(self.stream)
-            sync = self.model.no_sync() if self._ddp and micro < accum - 1 else _NOTHING
-            with sync:
-                # Forward and loss in one autocast region, as in the recipe; the wrapper
-                # inside DDP sees it is already in effect and does not enter it again.
-                with session.autocast():
-                    loss, extras = self.batch_loss(self.model, batch)
-                if accum > 1:
-                    loss = loss / accum
-                session.backward(loss)
-            detached = loss.detach()
-            step_loss = detached if step_loss is None else step_loss + detached
-            if extras:
-                self._add_extras(extras, first=micro == 0, accum=accum)
+        session = self.session
+        step_loss = self._micro_step(accum=1) if self.config.grad_accum == 1 else self._accumulated()
         if self.schedule is not None:  # a planned per-step LR goes in place after an exact state
             self.schedule.before_step()
         session.step(*self.optimizers, clip_grad_norm=self.clip_grad_norm, skip_together=True)
@@ -134,7 +120,30 @@ class Trainer:
             self.schedule.after_step()
         self.step += 1
         self.samples_seen += self.config.batch_size
-        return step_loss.float()  # type: ignore[union-attr]
+        return step_loss if step_loss.dtype == torch.float32 else step_loss.float()  # type: ignore[union-attr]
+
+    def _micro_step(self, accum: int, first: bool = True) -> torch.Tensor:
+        """Forward, loss and the scaled backward of one micro-batch; its detached loss."""
+        # Forward and loss in one autocast region, as in the recipe; the wrapper inside DDP
+        # sees it is already in effect and does not enter it again.
+        with self._precision.autocast():
+            loss, extras = self.batch_loss(self.model, next(self.stream))
+        if accum > 1:
+            loss = loss / accum
+        self.session.backward(loss)
+        if extras:
+            self._add_extras(extras, first=first, accum=accum)
+        return loss.detach()
+
+    def _accumulated(self) -> torch.Tensor:
+        """`grad_accum` micro-steps, all but the last inside `no_sync()` (DDP reduces once)."""
+        accum = self.config.grad_accum
+        total: torch.Tensor | None = None
+        for micro in range(accum):
+            with self.model.no_sync() if self._ddp and micro < accum - 1 else _NOTHING:
+                loss = self._micro_step(accum, first=micro == 0)
+            total = loss if total is None else total + loss
+        return total  # type: ignore[return-value]
 
     def _add_extras(self, extras: dict[str, torch.Tensor], first: bool, accum: int) -> None:
         """Keep a step_fn's scalars as the step's mean over its micro-batches (device ops only)."""
