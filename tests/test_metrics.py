@@ -9,14 +9,15 @@ import pty
 import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.distributed import init_distributed
+from ddp_amp.distributed import DistContext, init_distributed
 from ddp_amp.env import detect_env
 from ddp_amp.metrics import QuietRunLog, RunLog
 from ddp_amp.train import train
-from tests.multiproc import REPO_ROOT, cli_env
+from tests.multiproc import REPO_ROOT, cli_env, run_ranks
 
 
 def _steps(path: Path) -> list[int]:
@@ -66,6 +67,40 @@ def test_plain_lines_without_a_terminal_and_quiet_other_ranks(tmp_path: Path, ca
     quiet.metrics({"step": 1})
     assert quiet.rewind_to(0) == 0
     assert capsys.readouterr().out == ""  # type: ignore[attr-defined]
+
+
+class _WatchingConsole(io.StringIO):
+    """Rank 0's console: its first write waits up to `wait_s` for the file that rank 1
+    touches once it has left the event, and records whether it came."""
+
+    def __init__(self, left: Path, wait_s: float) -> None:
+        super().__init__()
+        self.left, self.wait_s, self.saw_rank_1_leave = left, wait_s, None
+
+    def write(self, text: str) -> int:
+        if self.saw_rank_1_leave is None:
+            deadline = time.monotonic() + self.wait_s
+            while not self.left.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.saw_rank_1_leave = self.left.exists()
+        return super().write(text)
+
+
+def _event_then_leave(ctx: DistContext, run_dir: str, left: str) -> tuple[bool | None, str]:
+    record = {"event": "preempted", "step": 3}
+    if ctx.rank == 0:
+        console = _WatchingConsole(Path(left), wait_s=1.0)
+        RunLog(Path(run_dir), stream=console).event(record, "stopped at step 3")
+        return console.saw_rank_1_leave, console.getvalue()
+    QuietRunLog(ctx.rank).event(record, "stopped at step 3")
+    Path(left).touch()  # where a preempted rank exits, and srun --kill-on-bad-exit ends the others
+    return None, ""
+
+
+def test_an_event_line_is_out_before_any_rank_leaves_the_event(tmp_path: Path) -> None:
+    (saw_leave, printed), _ = run_ranks(_event_then_leave, 2, str(tmp_path), str(tmp_path / "rank-1-left"))
+    assert saw_leave is False and printed == "[ddp_amp] stopped at step 3\n"
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"event": "preempted", "step": 3}
 
 
 def _run_in_terminal(command: list[str], timeout: float = 120) -> str:

@@ -20,6 +20,9 @@ from ddp_amp.errors import UsageError
 from ddp_amp.metrics import QuietRunLog
 from ddp_amp.guards import EXIT_PREEMPTED, PreemptionWatch, requeue_slurm_job
 from ddp_amp.option_values import parse_signals
+from ddp_amp.guards.preemption import _run_deaf_to_term
+from ddp_amp.checkpoint.commit import WRITE_DELAY_ENV
+from ddp_amp.checkpoint.discovery import SCRATCH_PREFIX
 from ddp_amp.tasks import load_task
 from ddp_amp.trainer import Trainer, seed_everything, session_for
 from ddp_amp.train import main
@@ -115,6 +118,15 @@ def test_requeue_reports_why_it_could_not(tmp_path: Path) -> None:
     assert not done and "scontrol" in message  # no scontrol on that PATH
 
 
+def test_the_requeue_command_outlives_the_term_its_requeue_brings() -> None:
+    # SLURM signals every process of a requeued job's step, the `scontrol requeue` child
+    # of rank 0 too: the child must finish and report, however soon the TERM lands.
+    previous = signal.getsignal(signal.SIGTERM)
+    result = _run_deaf_to_term(["sh", "-c", "kill -TERM $$; echo finished"], timeout_s=30)
+    assert result.returncode == 0 and result.stdout.strip() == "finished", result
+    assert signal.getsignal(signal.SIGTERM) == previous
+
+
 def test_requeue_refused_by_slurm_is_reported(slurm_cluster: Cluster) -> None:
     os.environ["SLURM_CONF"] = str(slurm_cluster.conf)
     done, message = requeue_slurm_job({"SLURM_JOB_ID": "987654", "PATH": os.environ["PATH"]})
@@ -157,10 +169,39 @@ def test_term_checkpoints_and_stops_without_requeue(tmp_path: Path) -> None:
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     record = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
               if '"preempted"' in line][-1]
-    assert record["action"] == "stop" and record["signal"] == "SIGTERM" and not record["requeued"]
+    assert record["action"] == "stop" and record["signal"] == "SIGTERM" and not record["requeuing"]
     assert record["checkpoint"] and Path(record["checkpoint"]).is_dir() and record["signal_to_commit_s"] >= 0
     assert "SIGTERM means stop: not requeued" in stdout
     assert [line for line in stdout.splitlines() if "stopped at step" in line] == [stdout.splitlines()[-1]]
+
+
+def test_term_while_a_preemption_checkpoints_does_not_kill_the_stop(tmp_path: Path) -> None:
+    """SLURM follows a requeue or a cancel with TERM. With --stop-signal none nothing else
+    handles TERM, yet one that lands while the USR1 stop writes its checkpoint must not end
+    the process: the checkpoint commits, the stop line is printed and the exit code is 75."""
+    proc = subprocess.Popen([sys.executable, "-m", "ddp_amp.train", "--task", "mlp", "--device", "cpu",
+                             "--max-steps", "100000", "--log-every", "5", "--task-opt", "hidden=16",
+                             "--eval-every", "0", "--stop-signal", "none", "--run-dir", str(tmp_path)],
+                            env=cli_env(**{WRITE_DELAY_ENV: "0.5"}), cwd=REPO_ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for_metrics(tmp_path, proc)
+        proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 60
+        while not list((tmp_path / "checkpoints").glob(f"{SCRATCH_PREFIX}step-*")):  # the save is under way
+            assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint was started"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, (proc.returncode, stderr[-2000:])
+    stop = [line for line in stdout.splitlines() if "stopped at step" in line]
+    assert len(stop) == 1 and "after SIGUSR1" in stop[0] and "not a SLURM job" in stop[0], stdout
+    record = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+              if '"preempted"' in line][-1]
+    assert Path(record["checkpoint"]).is_dir() and not record["requeuing"], record
 
 
 def test_signal_options_cannot_overlap() -> None:

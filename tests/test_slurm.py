@@ -15,7 +15,7 @@ import torch
 
 from ddp_amp.checkpoint import verify_checkpoint
 from tests.multiproc import REPO_ROOT, run_train
-from tests.slurm_cluster import Cluster, job_info, job_output, sbatch, wait_job
+from tests.slurm_cluster import FINAL_STATES, Cluster, job_info, job_output, sbatch, wait_job
 
 TINY = ["--task", "mlp", "--device", "cpu", "--max-steps", "20", "--log-every", "10", "--task-opt", "hidden=32",
         "--task-opt", "samples=1024"]
@@ -40,6 +40,11 @@ def _records(job_dir: Path, job: str, task: str = "mlp") -> list[dict]:
     if not metrics.exists():
         return []
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def _requeued(job_dir: Path, job: str, task: str = "mlp") -> list[tuple[int, bool]]:
+    """(step, requeued) of each `requeue` record: what `scontrol requeue` answered after a stop."""
+    return [(r["step"], r["requeued"]) for r in _records(job_dir, job, task) if r.get("event") == "requeue"]
 
 
 def _wait_until(condition, what: str, timeout: float = 120) -> None:  # type: ignore[no-untyped-def]
@@ -96,7 +101,8 @@ def test_a_job_preempted_twice_resumes_bitwise(slurm_cluster: Cluster, tmp_path:
     assert "after SIGUSR1" in out and f"requeued SLURM job {job}" in out, out
     assert f"resumed from runs/mlp-{job}/checkpoints/step-" in out, out
     stops = [r for r in _records(job_dir, job) if r.get("event") == "preempted"]
-    assert [(r["action"], r["requeued"]) for r in stops] == [("requeue", True), ("requeue", True)], stops
+    assert [(r["action"], r["requeuing"]) for r in stops] == [("requeue", True), ("requeue", True)], stops
+    assert _requeued(job_dir, job) == [(r["step"], True) for r in stops]
     assert stops[0]["step"] < stops[1]["step"] < 3000
     assert info["ExitCode"] == "0:0" and "srun --kill-on-bad-exit=1" in out, out  # the template prints its command
     summary = _summary(job_dir, job)
@@ -119,8 +125,12 @@ def test_scancel_cancels_a_requeue_job_after_its_checkpoint(slurm_cluster: Clust
     info = job_info(slurm_cluster, job)
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", (info, job_output(tmp_path))
     stops = [r for r in _records(tmp_path, job) if r.get("event") == "preempted"]
-    assert len(stops) == 1 and stops[0]["action"] == "stop" and not stops[0]["requeued"], stops
+    assert len(stops) == 1 and stops[0]["action"] == "stop" and not stops[0]["requeuing"], stops
     verify_checkpoint(Path(tmp_path) / stops[0]["checkpoint"])
+    # The line is out before any rank can end (srun --kill-on-bad-exit then kills the rest).
+    assert (f"stopped at step {stops[0]['step']} after SIGTERM; checkpoint: {stops[0]['checkpoint']}; "
+            "SIGTERM means stop: not requeued") in job_output(tmp_path)
+    assert _requeued(tmp_path, job) == []
 
 
 def test_multi_node_template_preempted_stops_quietly(slurm_cluster: Cluster, tmp_path: Path) -> None:
@@ -137,12 +147,99 @@ def test_multi_node_template_preempted_stops_quietly(slurm_cluster: Cluster, tmp
     assert "Traceback" not in out and "SignalException" not in out, out
     assert sum("stopped at step" in line for line in out.splitlines()) == 1, out
     stops = [r for r in _records(tmp_path, job) if r.get("event") == "preempted"]
-    assert len(stops) == 1 and stops[0]["requeued"], stops
+    assert len(stops) == 1 and stops[0]["requeuing"] and _requeued(tmp_path, job) == [(stops[0]["step"], True)], stops
     assert info["NumNodes"] == "2"  # one torchrun per node, one world of two
     summary = _summary(tmp_path, job)
     assert summary["world_size"] == 2 and summary["steps"] == 1500
     config = json.loads((tmp_path / "runs" / f"mlp-{job}" / "config.json").read_text())
     assert config["env"]["launcher"] == "torchrun"
+
+
+def _wait_in_job(cluster: Cluster, job: str, job_dir: Path, condition, what: str,  # type: ignore[no-untyped-def]
+                 timeout: float = 120) -> None:
+    """`_wait_until`, failing at once where the job ended first (it was not requeued, say)."""
+    deadline, next_look = time.monotonic() + timeout, 0.0
+    while not condition():
+        now = time.monotonic()
+        assert now < deadline, f"never saw {what}:\n{job_output(job_dir)}"
+        if now >= next_look:
+            state = job_info(cluster, job).get("JobState")
+            if state in FINAL_STATES and not condition():
+                raise AssertionError(f"job {job} ended ({state}) before {what}:\n{job_output(job_dir)}")
+            next_look = now + 1
+        time.sleep(0.05)
+
+
+def _preempt(cluster: Cluster, job: str, job_dir: Path, round_: int) -> None:
+    """Wait for training after the `round_ - 1` stops so far, send USR1, wait for stop `round_`."""
+    def training() -> bool:
+        records = _records(job_dir, job)
+        stops = [r["step"] for r in records if r.get("event") == "preempted"]
+        logged = [r["step"] for r in records if "loss" in r]
+        return len(stops) == round_ - 1 and bool(logged) and (not stops or max(logged) > stops[-1])
+
+    _wait_in_job(cluster, job, job_dir, training, f"training in round {round_}")
+    subprocess.run(["scancel", "--signal=USR1", job], env=cluster.env(), check=True, timeout=30)
+    _wait_in_job(cluster, job, job_dir,
+                 lambda: sum(r.get("event") == "preempted" for r in _records(job_dir, job)) == round_,
+                 f"preemption {round_}")
+
+
+def test_a_job_requeued_max_requeues_times_is_not_requeued_again(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    """--max-requeues 2 and three USR1 preemptions in one job's life: the first two each
+    checkpoint, print their stop line, then requeue, and the job restarts (RestartCnt 1, 2)
+    and resumes from that checkpoint; the third checkpoints and is not requeued: the job
+    ends with exit code 75 after two restarts and its output says why."""
+    job = sbatch(slurm_cluster, REPO_ROOT / "slurm" / "one_node.sbatch", ["--gpus-per-node=0", "--ntasks-per-node=2"],
+                 [*_preemptible(100000), "--max-requeues", "2"], tmp_path)
+    for round_ in (1, 2, 3):
+        _preempt(slurm_cluster, job, tmp_path, round_)
+    info = wait_job(slurm_cluster, job, timeout=120)
+    out = job_output(tmp_path)
+    assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("FAILED", "2", "75:0"), (info, out)
+    stops = [r for r in _records(tmp_path, job) if r.get("event") == "preempted"]
+    assert [(r["signal"], r["action"], r["requeuing"]) for r in stops] == \
+        [("SIGUSR1", "requeue", True)] * 2 + [("SIGUSR1", "requeue", False)], stops
+    assert all(r["checkpoint"] for r in stops) and stops[0]["step"] < stops[1]["step"] < stops[2]["step"], stops
+    assert _requeued(tmp_path, job) == [(stops[0]["step"], True), (stops[1]["step"], True)], out
+    # Each stop's line reached the job's output, the two requeued ones said so before asking.
+    nexts = [f"requeuing SLURM job {job}"] * 2 + [
+        "not requeued: this job was requeued 2 times already (--max-requeues 2); resubmit it to go on"]
+    for record, next_ in zip(stops, nexts):
+        assert f"stopped at step {record['step']} after SIGUSR1; checkpoint: {record['checkpoint']}; {next_}" in out, out
+    # Said before asking: the requeue ends the step, and rank 0's answer comes after it.
+    lines = out.splitlines()
+    asked = [n for n, line in enumerate(lines) if line.endswith(f"; requeuing SLURM job {job}")]
+    answered = [n for n, line in enumerate(lines) if f"] requeued SLURM job {job}; it resumes" in line]
+    assert len(asked) == len(answered) == 2 and asked[0] < answered[0] < asked[1] < answered[1], out
+    # Each requeued window resumed where the one before stopped; none came after the third stop.
+    assert [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", out)] == [r["step"] for r in stops[:2]], out
+    assert f"job {job} restart 2 " in out and f"job {job} restart 3 " not in out, out
+
+
+def test_a_preemption_whose_checkpoint_failed_is_not_requeued(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    """USR1 once the run's checkpoint directory is immutable (chattr +i: root ignores file
+    modes, not that), so the preemption's save fails for real: the stop says the job is not
+    requeued, and the job ends FAILED with the checkpoint error's exit code 3, never restarted."""
+    job = sbatch(slurm_cluster, REPO_ROOT / "slurm" / "one_node.sbatch", ["--gpus-per-node=0", "--ntasks-per-node=2"],
+                 _preemptible(100000), tmp_path)
+    checkpoints = tmp_path / "runs" / f"mlp-{job}" / "checkpoints"
+    _wait_in_job(slurm_cluster, job, tmp_path, lambda: any("loss" in r for r in _records(tmp_path, job)), "training")
+    subprocess.run(["chattr", "+i", str(checkpoints)], check=True, timeout=30)
+    try:
+        subprocess.run(["scancel", "--signal=USR1", job], env=slurm_cluster.env(), check=True, timeout=30)
+        info = wait_job(slurm_cluster, job, timeout=120)
+    finally:
+        subprocess.run(["chattr", "-i", str(checkpoints)], check=True, timeout=30)
+    out = job_output(tmp_path)
+    # A requeue is asked before the process ends, and a requeued job is never FAILED.
+    assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("FAILED", "0", "3:0"), (info, out)
+    stops = [r for r in _records(tmp_path, job) if r.get("event") == "preempted"]
+    assert len(stops) == 1 and stops[0]["checkpoint"] is None and not stops[0]["requeuing"], stops
+    assert _requeued(tmp_path, job) == [] and not list(checkpoints.iterdir()), out
+    assert (f"stopped at step {stops[0]['step']} after SIGUSR1; checkpoint: none; the checkpoint failed, "
+            "so the job is not requeued") in out, out
+    assert f"job {job} restart 1 " not in out, out
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -175,7 +272,8 @@ def test_a_time_limited_job_finishes_over_several_windows(slurm_cluster: Cluster
     assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, (info, out)
     stops = [r for r in _records(tmp_path, job, task="paced_task") if r.get("event") == "preempted"]
     assert len(stops) == int(info["Restarts"]), (stops, out)
-    assert all(r["signal"] == "SIGUSR1" and r["action"] == "requeue" and r["requeued"] for r in stops), stops
+    assert all(r["signal"] == "SIGUSR1" and r["action"] == "requeue" and r["requeuing"] for r in stops), stops
+    assert _requeued(tmp_path, job, task="paced_task") == [(r["step"], True) for r in stops]
     resumed_at = [int(step) for step in re.findall(r"resumed from \S+ at step (\d+)", out)]
     assert resumed_at == [r["step"] for r in stops], out
     summary = json.loads((tmp_path / "runs" / f"paced_task-{job}" / "summary.json").read_text())

@@ -22,9 +22,12 @@ import logging
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -39,6 +42,9 @@ log = logging.getLogger(__name__)
 # Exit status of a run that stopped early for a preemption: EX_TEMPFAIL, "try again later".
 EXIT_PREEMPTED = 75
 MAX_CHECK_INTERVAL = 10_000
+NOT_SLURM = "not a SLURM job (no SLURM_JOB_ID): resubmit it to resume"
+
+
 def _ignore(signums: tuple[int, ...], worker_id: int) -> None:
     for signum in signums:
         signal.signal(signum, signal.SIG_IGN)
@@ -142,21 +148,40 @@ class PreemptionWatch:
         return stop
 
 
+def _run_deaf_to_term(command: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run(command)` with SIGTERM ignored in the child.
+
+    The requeue it asks for makes SLURM send TERM to every process of the job step, this
+    child included: killed before it exits, a `scontrol requeue` that worked would read
+    as refused (exit code -15). An ignored signal stays ignored across exec, so the parent
+    ignores TERM while it starts the child; a TERM that lands then asks for the stop that is
+    under way. Outside the main thread (or over a handler set outside Python) the child
+    starts as it is.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is None:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def requeue_slurm_job(environ: Mapping[str, str], timeout_s: float = 30.0) -> tuple[bool, str]:
     """Ask SLURM to requeue this job (`scontrol requeue $SLURM_JOB_ID`); (done, message).
 
     Call on one rank only. Requeueing a running job makes SLURM end it (TERM, then KILL
-    after KillWait) and start it again, so call it after the checkpoint is committed.
+    after KillWait) and start it again, so call it after the checkpoint is committed and
+    everything the run has to say is out.
     """
     job_id = environ.get("SLURM_JOB_ID", "")
     if not job_id:
-        return False, "not a SLURM job (no SLURM_JOB_ID): resubmit it to resume"
+        return False, NOT_SLURM
     scontrol = shutil.which("scontrol", path=environ.get("PATH"))
     if scontrol is None:
         return False, f"scontrol not found on PATH: cannot requeue job {job_id}; resubmit it to resume"
     try:
-        result = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True,
-                                timeout=timeout_s)
+        result = _run_deaf_to_term([scontrol, "requeue", job_id], timeout_s)
     except subprocess.TimeoutExpired:
         return False, f"`scontrol requeue {job_id}` timed out; resubmit the job to resume"
     if result.returncode != 0:
@@ -173,8 +198,48 @@ def exit_code_for(record: dict[str, Any]) -> int:
     return 128 + int(signal.Signals[record["signal"]])
 
 
-def stop_for_preemption(save_checkpoint: Any, watch: PreemptionWatch, requeue_allowed: bool, step: int,
-                        environ: Mapping[str, str], report: Any, max_requeues: int) -> dict[str, Any]:
+@contextmanager
+def _term_held() -> Iterator[None]:
+    """SIGTERM only sets a flag inside the block, where nothing else handles it.
+
+    SLURM ends a requeued or cancelled job with TERM (KILL after KillWait). Where TERM is a
+    stop signal the watch's handler flags it already; where it is not (`--stop-signal
+    none`), its default action would end the process in the middle of the checkpoint or
+    before the stop line is out. A TERM that lands while the run stops asks for what is
+    happening already. Only the main thread can install handlers; elsewhere nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _not_requeued_because(action: str, stopped_by: str, path: Path | None, requeue_allowed: bool,
+                          environ: Mapping[str, str], max_requeues: int) -> str:
+    """Why this stop does not ask SLURM for a requeue; "" where it does."""
+    restarts = int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    if action == "stop":
+        return f"{stopped_by} means stop: not requeued"
+    if path is None:
+        return "the checkpoint failed, so the job is not requeued; see the error below"
+    if restarts >= max_requeues:
+        return (f"not requeued: this job was requeued {restarts} times already (--max-requeues "
+                f"{max_requeues}); resubmit it to go on from the checkpoint")
+    if not requeue_allowed:
+        return "requeue off (--preempt-requeue never)"
+    if not environ.get("SLURM_JOB_ID"):
+        return NOT_SLURM
+    return ""
+
+
+def stop_for_preemption(save_checkpoint: Callable[[], Path | None], watch: PreemptionWatch, requeue_allowed: bool,
+                        step: int, environ: Mapping[str, str], report: Callable[[dict[str, Any], str], None],
+                        max_requeues: int) -> dict[str, Any]:
     """Checkpoint, then requeue where the signal asks for it; the record the run ends with.
 
     Collective. `save_checkpoint` is the trainer's collective save (the path, or None if
@@ -182,25 +247,29 @@ def stop_for_preemption(save_checkpoint: Any, watch: PreemptionWatch, requeue_al
     checkpoint committed; a stop signal (TERM: `scancel`, the kill at a time limit) never
     does, so a cancelled job stays cancelled. No requeue after a failed save (it would
     repeat the lost steps, maybe forever), nor past `max_requeues` requeues of this job.
-    The requeue runs on rank 0 and every rank learns whether it happened. `report` writes
-    the `preempted` record to metrics.jsonl and prints one line (rank 0).
+
+    `report` (the run log's collective `event`) prints one line on rank 0 and writes the
+    record to metrics.jsonl. The `preempted` record and its line ("...; requeuing SLURM job
+    N") go out before SLURM is asked: the requeue ends this job step (TERM, then KILL), so
+    what comes after it may never be seen. Then rank 0 runs `scontrol requeue`, every rank
+    learns whether it happened, and a `requeue` record says so. TERM cannot end the process
+    meanwhile (`_term_held`).
     """
-    path = save_checkpoint()
-    committed = time.monotonic()
-    action = "requeue" if watch.requeue else "stop"
-    requeued, message = False, "requeue off (--preempt-requeue never)"
-    restarts = int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    if action == "stop":
-        message = f"{watch.stopped_by} means stop: not requeued"
-    elif path is None:
-        message = "the checkpoint failed, so the job is not requeued; see the error below"
-    elif restarts >= max_requeues:
-        message = (f"not requeued: this job was requeued {restarts} times already (--max-requeues "
-                   f"{max_requeues}); resubmit it to go on from the checkpoint")
-    elif requeue_allowed:
-        requeued, message = on_rank_zero(lambda: requeue_slurm_job(environ))
-    record = {"event": "preempted", "step": step, "signal": watch.stopped_by, "action": action,
-              "checkpoint": str(path) if path else None, "requeued": requeued,
-              "signal_to_commit_s": round(committed - watch.received_at, 3) if watch.received_at else None}
-    report(record, f"stopped at step {step} after {watch.stopped_by}; checkpoint: {path or 'none'}; {message}")
-    return {"preempted": True, **{k: v for k, v in record.items() if k != "event"}}
+    with _term_held():
+        path = save_checkpoint()
+        committed = time.monotonic()
+        action = "requeue" if watch.requeue else "stop"
+        why_not = _not_requeued_because(action, watch.stopped_by, path, requeue_allowed, environ, max_requeues)
+        record = {"event": "preempted", "step": step, "signal": watch.stopped_by, "action": action,
+                  "checkpoint": str(path) if path else None, "requeuing": not why_not,
+                  "signal_to_commit_s": round(committed - watch.received_at, 3) if watch.received_at else None}
+        next_ = why_not or f"requeuing SLURM job {environ.get('SLURM_JOB_ID')}"
+        for stream in (sys.stdout, sys.stderr):  # what this process wrote before, out ahead of the line
+            stream.flush()
+        report(record, f"stopped at step {step} after {watch.stopped_by}; checkpoint: {path or 'none'}; {next_}")
+        requeued = False
+        if not why_not:
+            requeued, message = on_rank_zero(lambda: requeue_slurm_job(environ))
+            report({"event": "requeue", "step": step, "requeued": requeued}, message)
+    return {"preempted": True, "step": step, "signal": watch.stopped_by, "action": action,
+            "checkpoint": record["checkpoint"], "requeued": requeued, "signal_to_commit_s": record["signal_to_commit_s"]}

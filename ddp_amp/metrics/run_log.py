@@ -81,9 +81,14 @@ class RunLog:
             self._bar.advance(steps)
 
     def event(self, record: dict[str, Any], message: str) -> None:
-        """A notable event (e.g. an overflow report): appended to metrics.jsonl and printed (collective)."""
-        on_rank_zero(lambda: self._append(record))
+        """A notable event (e.g. an overflow report): printed, then appended to metrics.jsonl (collective).
+
+        The line goes out first, so no rank leaves the collective before rank 0 printed it: a
+        rank that ends right after (a preemption stop) cannot get rank 0 killed before its line
+        is out (srun --kill-on-bad-exit ends the whole step when the first task exits non-zero).
+        """
         self.info(message)
+        on_rank_zero(lambda: self._append(record))
 
     def rewind_to(self, step: int) -> int:
         """Drop metrics.jsonl records past `step` (and summaries); returns how many were dropped.
