@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ddp_amp.distributed.spawn import free_port, run_ranks
 
-__all__ = ["REPO_ROOT", "cli_env", "free_port", "kill_when", "run_ranks", "run_train"]
+__all__ = ["REPO_ROOT", "cli_env", "free_port", "kill_when", "run_ranks", "run_train", "slow_writes_env"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,6 +37,14 @@ def cli_env(gpus: bool = False, **extra: str) -> dict[str, str]:
     if not gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(extra)
+    return env
+
+
+def slow_writes_env(seconds: float, **extra: str) -> dict[str, str]:
+    """`cli_env` for a process whose checkpoint files each take `seconds` longer to write
+    (tests/slow_writes/sitecustomize.py), so a test can kill it in the middle of a save."""
+    env = cli_env(DDP_AMP_TEST_SLOW_WRITES_S=str(seconds), **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "tests" / "slow_writes"), env["PYTHONPATH"]])
     return env
 
 

@@ -22,12 +22,11 @@ import pytest
 import torch
 
 from ddp_amp.checkpoint import background, safe_load, verify_checkpoint
-from ddp_amp.checkpoint.commit import WRITE_DELAY_ENV
 from ddp_amp.distributed import DistContext, init_distributed
 from ddp_amp.env import DistEnv
 from ddp_amp.tasks import load_task
 from ddp_amp.train import main
-from tests.multiproc import REPO_ROOT, cli_env, kill_when, run_ranks
+from tests.multiproc import REPO_ROOT, kill_when, run_ranks, slow_writes_env
 from tests.resume_harness import TASK, assert_bitwise_equal, build_trainer, config, snapshot
 
 CLI = ["--task", TASK, "--batch-size", "8", "--device", "cpu", "--precision", "fp32", "--log-every", "1000",
@@ -87,8 +86,8 @@ def test_background_save_holds_its_step_and_resumes_bitwise(ctx: DistContext, tm
 def test_writer_killed_in_the_background_keeps_previous_checkpoint(ctx: DistContext, tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
     log = tmp_path / "stdout.txt"
-    # The crash tests' slow-down: 0.3 s after each file, so the kill lands inside step 4's write.
-    env = cli_env(**{WRITE_DELAY_ENV: "0.3", "PYTHONUNBUFFERED": "1"})
+    # The crash tests' slow writes (tests/slow_writes), so the kill lands inside step 4's write.
+    env = slow_writes_env(0.3, PYTHONUNBUFFERED="1")
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "ddp_amp.train", *CLI, "--max-steps", "6", "--ckpt-every", "2",
                                  "--run-dir", str(tmp_path)], env=env, cwd=REPO_ROOT, stdout=out,

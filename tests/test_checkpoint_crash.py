@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 from ddp_amp.checkpoint import safe_load, verify_checkpoint
-from ddp_amp.checkpoint.commit import WRITE_DELAY_ENV
 from tests.resume_harness import TASK, assert_bitwise_equal
-from tests.multiproc import REPO_ROOT, cli_env, kill_when, run_train
+from tests.multiproc import REPO_ROOT, kill_when, run_train, slow_writes_env
 
 COMMON = ["--task", TASK, "--batch-size", "8", "--device", "cpu", "--log-every", "1000"]
 
@@ -38,8 +37,8 @@ def test_writer_killed_mid_write_keeps_previous_checkpoint(tmp_path: Path) -> No
     root = tmp_path / "checkpoints"
     command = [sys.executable, "-m", "ddp_amp.train", *COMMON, "--max-steps", "6", "--ckpt-every", "2",
                "--run-dir", str(tmp_path)]
-    # Test-only slow-down: 0.3 s after each file, so the kill lands inside the step-4 write.
-    proc = subprocess.Popen(command, env=cli_env(**{WRITE_DELAY_ENV: "0.3"}), cwd=REPO_ROOT,
+    # Each file of a checkpoint written 0.3 s slower (tests/slow_writes), so the kill lands inside the step-4 write.
+    proc = subprocess.Popen(command, env=slow_writes_env(0.3), cwd=REPO_ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     kill_when(proc, lambda: any(root.glob(".tmp-step-00000004-*/model.pt")), "the step-4 write")
     assert not (root / "step-00000004").exists()

@@ -21,12 +21,11 @@ from ddp_amp.metrics import QuietRunLog
 from ddp_amp.guards import EXIT_PREEMPTED, PreemptionWatch, requeue_slurm_job
 from ddp_amp.option_values import parse_signals
 from ddp_amp.guards.preemption import _run_deaf_to_term
-from ddp_amp.checkpoint.commit import WRITE_DELAY_ENV
 from ddp_amp.checkpoint.discovery import SCRATCH_PREFIX
 from ddp_amp.tasks import load_task
 from ddp_amp.trainer import Trainer, seed_everything, session_for
 from ddp_amp.train import main
-from tests.multiproc import REPO_ROOT, cli_env, run_ranks
+from tests.multiproc import REPO_ROOT, cli_env, run_ranks, slow_writes_env
 from tests.slurm_cluster import Cluster
 
 SMALL_MLP = ("in_size=16", "hidden=32", "out_size=4", "samples=512")
@@ -182,7 +181,7 @@ def test_term_while_a_preemption_checkpoints_does_not_kill_the_stop(tmp_path: Pa
     proc = subprocess.Popen([sys.executable, "-m", "ddp_amp.train", "--task", "mlp", "--device", "cpu",
                              "--max-steps", "100000", "--log-every", "5", "--task-opt", "hidden=16",
                              "--eval-every", "0", "--stop-signal", "none", "--run-dir", str(tmp_path)],
-                            env=cli_env(**{WRITE_DELAY_ENV: "0.5"}), cwd=REPO_ROOT, text=True,
+                            env=slow_writes_env(0.5), cwd=REPO_ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         _wait_for_metrics(tmp_path, proc)

@@ -16,8 +16,7 @@ from torch import nn
 
 from ddp_amp import DistContext, Session, UsageError
 from ddp_amp.checkpoint import verify_checkpoint
-from ddp_amp.checkpoint.commit import WRITE_DELAY_ENV
-from tests.multiproc import REPO_ROOT, cli_env, kill_when, run_ranks
+from tests.multiproc import REPO_ROOT, kill_when, run_ranks, slow_writes_env
 
 
 def test_round_trip_keeps_numpy_and_path_values_with_manifest_and_rng(tmp_path: Path) -> None:
@@ -62,8 +61,8 @@ class _Custom:
 def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     script = str(REPO_ROOT / "tests/scripts/session_save_loop.py")
-    # Test-only slow-down: 0.3 s after each file, so the kill lands inside the second save.
-    proc = subprocess.Popen([sys.executable, script, str(path), "5"], env=cli_env(**{WRITE_DELAY_ENV: "0.3"}),
+    # Each file written 0.3 s slower (tests/slow_writes), so the kill lands inside the second save.
+    proc = subprocess.Popen([sys.executable, script, str(path), "5"], env=slow_writes_env(0.3),
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "saved 1"
     kill_when(proc, lambda: any(tmp_path.glob(".tmp-ckpt-*/state.pt")), "the second save")

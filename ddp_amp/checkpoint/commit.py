@@ -16,7 +16,6 @@ import hashlib
 import logging
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -29,9 +28,6 @@ from ddp_amp.durable import fsync_dir
 
 log = logging.getLogger(__name__)
 
-# Test-only: seconds to sleep after each file is written, so a test can kill the writer
-# while a checkpoint is half-written. Not an option for users; never set in production.
-WRITE_DELAY_ENV = "DDP_AMP_TEST_CKPT_WRITE_DELAY"
 
 
 class _HashingWriter:
@@ -80,13 +76,6 @@ def _write_file(path: Path, payload: Any) -> FileRecord:
     return {"size": writer.size, "sha256": writer.digest.hexdigest()}
 
 
-def _write_delay() -> float:
-    try:
-        return float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
-    except ValueError:
-        return 0.0
-
-
 def check_writable(root: Path) -> None:
     """Create `root` and write+remove a probe file; raises OSError if that fails."""
     root.mkdir(parents=True, exist_ok=True)
@@ -118,14 +107,11 @@ def commit_directory(target: Path, files: dict[str, Any], step: int = 0) -> Path
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = target.with_name(f"{SCRATCH_PREFIX}{target.name}-{os.getpid()}")
     shutil.rmtree(scratch, ignore_errors=True)
-    delay = _write_delay()
     try:
         scratch.mkdir()
         records = {}
         for name, payload in files.items():
             records[name] = _write_file(scratch / name, payload)
-            if delay:
-                time.sleep(delay)
         manifest = {"format": FORMAT_VERSION, "step": step, "files": records}
         _write_file(scratch / MANIFEST_NAME, encode_manifest(manifest))
         fsync_dir(scratch)

@@ -1,0 +1,27 @@
+"""Test-only, for a process started with this folder on PYTHONPATH: a checkpoint's files are
+written slowly, so a test can kill the writer while a checkpoint is half-written.
+
+Python imports `sitecustomize` at start-up from the path. Here it makes `os.fsync` of a file
+inside a checkpoint's scratch directory (`.tmp-*`, where the commit protocol writes before
+its rename) sleep `DDP_AMP_TEST_SLOW_WRITES_S` seconds first. Nothing of ddp_amp is
+imported or changed: the commit protocol runs as it does for users, only slower.
+"""
+
+import os
+import time
+
+_DELAY_S = float(os.environ.get("DDP_AMP_TEST_SLOW_WRITES_S", "0") or 0)
+
+if _DELAY_S > 0:
+    _fsync = os.fsync
+
+    def _slow_fsync(fd: int) -> None:
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            path = ""
+        if "/.tmp-" in path:
+            time.sleep(_DELAY_S)
+        _fsync(fd)
+
+    os.fsync = _slow_fsync
