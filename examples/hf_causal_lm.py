@@ -141,3 +141,11 @@ def make_task(config: TrainConfig) -> Task:
         tokens_per_sample=seq,
         name="hf_causal_lm",
     )
+
+
+def make_task_scored_by_its_loss(config: TrainConfig) -> Task:
+    """The same task without an eval_fn: its held-out data is scored by the model's own
+    `.loss`, reported as eval_loss (a mean over windows), as Hugging Face's Trainer does."""
+    task = make_task(config)
+    task.eval_fn, task.finalize_metrics, task.name = None, None, "hf_causal_lm_loss"
+    return task

@@ -74,3 +74,28 @@ def test_hf_causal_lm_without_transformers_is_one_line_with_the_install_hint(mon
     with pytest.raises(UsageError) as caught:
         make_task(parse_command_line(["--task", TASK]).config)
     assert "pip install 'ddp_amp[hf]'" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_without_an_eval_fn_the_models_own_loss_is_evaluated_exactly_over_ranks(tmp_path: Path) -> None:
+    """No eval_fn, no metric: the held-out windows are scored by the model's `.loss` as
+    eval_loss, the same on 1 rank and on 2 (a mean over windows, not over ranks' means), and
+    --keep-best can name it; a metric the evaluation does not report is refused first."""
+    args = [*ARGS[:ARGS.index("--max-steps")], "--max-steps", "4", "--batch-size", "16", "--eval-every", "4",
+            "--task-opt", "width=32", "--task-opt", "layers=1", "--task-opt", "heads=2", "--task-opt", "seq=16",
+            "--task-opt", "vocab=300", "--task-opt", "tokens=6000", "--precision", "fp32", "--keep-best", "eval_loss"]
+    args[args.index(TASK)] = "examples.hf_causal_lm:make_task_scored_by_its_loss"
+    runs = {1: tmp_path / "one", 2: tmp_path / "two"}
+    with ThreadPoolExecutor(2) as pool:
+        results = dict(zip(runs, pool.map(lambda n: run_train([*args, "--run-dir", str(runs[n])], nproc=n if n > 1 else 0),
+                                          runs)))
+    evals = {}
+    for n, result in results.items():
+        assert result.returncode == 0, result.stderr[-3000:]
+        records = [json.loads(line) for line in (runs[n] / "metrics.jsonl").read_text().splitlines()]
+        evals[n] = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+        assert set(evals[n]) == {0, 4} and "eval_loss" in json.loads((runs[n] / "summary.json").read_text())
+    assert 4.5 < evals[1][0] < 7.0  # about ln(300): an untrained model guesses uniformly
+    assert evals[2][0] == pytest.approx(evals[1][0], rel=1e-6)
+    refused = run_train([*args[:-1], "eval_ppl", "--run-dir", str(tmp_path / "refused")])
+    assert refused.returncode == 2 and not (tmp_path / "refused").exists()
+    assert "--keep-best='eval_ppl': expected a metric the task's evaluation reports (eval_loss)" in refused.stderr

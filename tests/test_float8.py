@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from ddp_amp.amp import resolve_precision, wrap_model
-from ddp_amp.amp.float8 import count_float8_linears
 from ddp_amp.checkpoint.safe_types import safe_load
 from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
@@ -21,6 +20,11 @@ from tests.multiproc import run_ranks, run_train
 pytest.importorskip("torchao.float8")
 CPU = torch.device("cpu")
 SMALL = ["--task", "mlp", "--task-opt", "hidden=32", "--task-opt", "samples=512", "--batch-size", "32"]
+
+
+def count_float8_linears(model: nn.Module) -> int:
+    """How many layers of `model` run float8 matmuls."""
+    return sum(type(module).__name__ == "Float8Linear" for module in model.modules())
 
 
 def test_fp8_without_float8_matmuls_is_refused_with_a_hint() -> None:

@@ -38,7 +38,7 @@ BAD_PLUGINS = {
     "return Task(model=nn.Linear(2, 1), train_data=TensorDataset(torch.zeros(0, 2)), loss_fn=nn.functional.mse_loss)":
         "a non-empty Task.train_data",
     "return Task(model=nn.Linear(2, 1), train_data=data(), loss_fn=nn.functional.mse_loss, metric=lambda o, t: {})":
-        "Task.eval_data and Task.metric (or eval_fn) given together",
+        "Task.eval_data with Task.metric (or eval_fn)",
     "return Task(model=nn.Linear(2, 1), train_data=data(), eval_data=data(), loss_fn=nn.functional.mse_loss, metric=1)":
         "Task.metric to be callable or None, got int",
     "return Task(model=nn.Linear(2, 1), train_data=data(), loss_fn=nn.functional.mse_loss, default_lr='fast')":

@@ -74,7 +74,3 @@ def _import_torchao_quietly() -> None:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
 
-
-def count_float8_linears(model: nn.Module) -> int:
-    """How many layers of `model` run float8 matmuls."""
-    return sum(type(module).__name__ == "Float8Linear" for module in model.modules())

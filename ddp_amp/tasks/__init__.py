@@ -66,13 +66,15 @@ class Task:
     items; or `step_fn(model, batch)` for items of any structure (dicts, several inputs);
     or, with neither, the model's own output's `loss` (Hugging Face style). Items of any
     structure (tensors, tuples, lists, dicts, namedtuples, dataclasses) are collated and
-    moved to the device field by field.
+    moved to the device field by field. Held-out data is scored by `metric` or `eval_fn`;
+    without either, by that same loss, as `eval_loss` (a mean over items, as Hugging Face's
+    Trainer reports it).
     """
 
     model: nn.Module
     train_data: Dataset | None = None  # or make_loader
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
-    eval_data: Dataset | None = None
+    eval_data: Dataset | None = None  # scored by `metric` or `eval_fn`, else by its loss: eval_loss
     metric: MetricFn | None = None
     make_optimizer: OptimizerFactory | None = None  # None: AdamW; may return a list (stepped together)
     make_scheduler: SchedulerFactory | None = None  # stepped as schedule_on says
@@ -138,16 +140,16 @@ def _check_task(spec: str, task: object) -> Task:
     if kind not in ("step", "epoch", "eval") or (kind == "eval") != bool(colon and metric):
         raise UsageError("--task", spec, f"Task.schedule_on to be 'step', 'epoch' or 'eval:METRIC', "
                          f"got {task.schedule_on!r}", "e.g. schedule_on='eval:eval_nll' for ReduceLROnPlateau")
-    if kind == "eval" and task.metric is None and task.eval_fn is None:
-        raise UsageError("--task", spec, "Task.eval_data and Task.metric with schedule_on='eval:...'",
+    if kind == "eval" and task.eval_data is None:
+        raise UsageError("--task", spec, "Task.eval_data with schedule_on='eval:...'",
                          "a metric-driven schedule needs an evaluation to read")
     if task.state is not None and not all(callable(getattr(task.state, name, None))
                                           for name in ("state_dict", "load_state_dict")):
         raise UsageError("--task", spec, f"Task.state to have state_dict() and load_state_dict(), "
                          f"got {type(task.state).__name__}", "wrap what the task keeps in a small class with both")
-    if task.test_data is not None and task.metric is None and task.eval_fn is None:
-        raise UsageError("--task", spec, "Task.metric (or eval_fn) with Task.test_data",
-                         "the test pass scores it with the metric")
+    if task.test_data is not None and task.metric is None and task.eval_fn is None and task.step_fn is not None:
+        raise UsageError("--task", spec, "Task.metric (or eval_fn) with Task.test_data and a Task.step_fn",
+                         "the test pass scores it with the metric (a step_fn may change the task's state)")
     if (task.train_data is None) == (task.make_loader is None):
         raise UsageError("--task", spec, "Task.train_data or Task.make_loader (one of them)",
                          "give the dataset, or a function that builds this rank's loader")
@@ -185,9 +187,13 @@ def _check_task(spec: str, task: object) -> Task:
     if task.metric is not None and task.eval_fn is not None:
         raise UsageError("--task", spec, "Task.metric or Task.eval_fn, not both",
                          "eval_fn(model, batch) computes the metric from the batch itself")
-    if (task.eval_data is None) != (task.metric is None and task.eval_fn is None):
-        raise UsageError("--task", spec, "Task.eval_data and Task.metric (or eval_fn) given together (or neither)",
+    if task.eval_data is None and (task.metric is not None or task.eval_fn is not None):
+        raise UsageError("--task", spec, "Task.eval_data with Task.metric (or eval_fn)",
                          "a metric needs held-out data to run on")
+    if task.eval_data is not None and task.metric is None and task.eval_fn is None and task.step_fn is not None:
+        raise UsageError("--task", spec, "Task.metric (or eval_fn) with Task.eval_data and a Task.step_fn",
+                         "without one, eval_data is scored by its loss (loss_fn, or the model's own .loss), which a "
+                         "step_fn cannot give without changing the task's state")
     if isinstance(task.tokens_per_sample, bool) or not isinstance(task.tokens_per_sample, int) \
             or task.tokens_per_sample < 0:
         raise UsageError("--task", spec, f"Task.tokens_per_sample to be an integer >= 0, got {task.tokens_per_sample!r}",

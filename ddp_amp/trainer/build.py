@@ -10,9 +10,12 @@ import torch
 
 from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import DistContext
+from ddp_amp.errors import UsageError
 from ddp_amp.metrics import QuietRunLog, RunLog
 from ddp_amp.session import Session
+from ddp_amp.option_values import METRIC_GOAL
 from ddp_amp.tasks import Task, load_task
+from ddp_amp.trainer.evaluation import check_metric_names, reported_metrics
 from ddp_amp.trainer.loop import Trainer
 
 
@@ -24,13 +27,31 @@ def seed_everything(seed: int) -> None:
 
 
 def prepare_task(config: TrainConfig, ctx: DistContext) -> Task:
-    """Check the batch geometry, build the task with the same model on every rank, then
-    seed each rank's own streams (dropout, augmentation) with `seed + rank`."""
+    """Check the batch geometry, build the task with the same model on every rank, check the
+    options that name its metrics, then seed each rank's own streams (dropout, augmentation)
+    with `seed + rank`."""
     config.micro_batch_size(ctx.world_size)  # fail on a bad batch size before any work
     seed_everything(config.seed)  # same model init on every rank
     task = load_task(config.task, config)
+    check_metric_options(config, task, ctx.device)
     seed_everything(config.seed + ctx.rank)
     return task
+
+
+def check_metric_options(config: TrainConfig, task: Task, device: torch.device) -> None:
+    """`--keep-best` and `Task.schedule_on="eval:METRIC"` name metrics the task's evaluation
+    reports; a one-line UsageError where one does not (no collective)."""
+    wanted: dict[str, tuple[str, str, str]] = {}
+    if config.keep_best is not None:
+        if task.eval_data is None:
+            raise UsageError("--keep-best", METRIC_GOAL.text(config.keep_best), "a task with eval_data",
+                             "the best checkpoint is chosen by an eval metric; drop --keep-best")
+        wanted[config.keep_best.metric] = ("--keep-best", METRIC_GOAL.text(config.keep_best), "--keep-best {name}")
+    kind, _, metric = task.schedule_on.partition(":")
+    if kind == "eval":
+        wanted[metric] = ("Task.schedule_on", task.schedule_on, "schedule_on='eval:{name}'")
+    if wanted:
+        check_metric_names(reported_metrics(task, device), wanted)
 
 
 def build_trainer(session: Session, config: TrainConfig, run_log: RunLog | None = None, *,

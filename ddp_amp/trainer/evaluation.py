@@ -2,7 +2,13 @@
 
 Every item is scored exactly once over all ranks (a strided shard, no padding), and each
 metric's sum and count are added up over batches and ranks before the division, so the
-result does not depend on the world size.
+result does not depend on the world size. A task with held-out data but no `metric` or
+`eval_fn` is scored by its loss (its `loss_fn`, or the model's own `.loss`), weighted by
+each batch's items: `eval_loss`, the mean over all items.
+
+Which names an evaluation reports is known before training (`reported_metrics`: one
+held-out item through the metric), so an option that names one is checked before anything
+is written.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from ddp_amp.distributed import DistContext, all_reduce_, to_device
 from ddp_amp.errors import UsageError
 from ddp_amp.tasks import Task
+from ddp_amp.trainer.batch_loss import BatchLoss
 from ddp_amp.trainer.stream import collate
 
 
@@ -30,8 +37,9 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: Dist
     in eval mode for the pass and back in train mode after it.
     """
     data = task.eval_data if data is None else data
-    if data is None or (task.metric is None and task.eval_fn is None):
+    if data is None:
         return {}
+    score = _scorer(task)
     sampler = range(ctx.rank, len(data), ctx.world_size)  # type: ignore[arg-type]
     # A held-out set smaller than the world leaves some ranks no item; they still have
     # to join one all-reduce per metric name, so they score item 0 and add it at weight 0.
@@ -46,12 +54,7 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: Dist
         loader = DataLoader(data, batch_size=micro_batch_size, sampler=sampler,
                             generator=torch.Generator(), collate_fn=collate)
         for batch in loader:
-            batch = to_device(batch, ctx.device)
-            if task.eval_fn is not None:  # the task scores batches of its own shape
-                scored = task.eval_fn(forward, batch)
-            else:
-                inputs, target = batch
-                scored = task.metric(forward(inputs), target)  # type: ignore[misc]
+            scored = score(forward, to_device(batch, ctx.device))
             for name, (total, count) in scored.items():
                 pair = weight * torch.stack([total.detach().double().to(ctx.device),
                                              torch.tensor(float(count), dtype=torch.float64, device=ctx.device)])
@@ -65,6 +68,61 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: Dist
     if task.finalize_metrics is not None:
         means = task.finalize_metrics(means)
     return {f"{prefix}{name}": value for name, value in means.items()}
+
+
+Scorer = Any  # (model, batch) -> {name: (sum tensor, count)}
+
+
+def _scorer(task: Task) -> Scorer:
+    """How one held-out batch is scored: the task's eval_fn or metric, else its loss."""
+    if task.eval_fn is not None:  # the task scores batches of its own shape
+        return task.eval_fn
+    if task.metric is not None:
+        metric = task.metric
+        return lambda model, batch: metric(model(batch[0]), batch[1])
+    batch_loss = BatchLoss(task)
+
+    def loss_of(model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, int]]:
+        loss, _ = batch_loss(model, batch)
+        items = _items(batch)
+        return {"loss": (loss.detach().float() * items, items)}
+    return loss_of
+
+
+def _items(batch: Any) -> int:
+    """How many items a collated batch holds: the first tensor's length."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else \
+        vars(batch).values()
+    return next((_items(value) for value in values if isinstance(value, (torch.Tensor, dict, list, tuple))), 1)
+
+
+@torch.no_grad()
+def reported_metrics(task: Task, device: torch.device) -> list[str]:
+    """The names an evaluation of `task` reports (`eval_...`), found by scoring one held-out
+    item on this process (no collective); the RNGs and the model's mode are left as they were."""
+    if task.eval_data is None:
+        return []
+    model = task.model.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            scored = _scorer(task)(model, to_device(collate([task.eval_data[0]]), device))
+    finally:
+        model.train(was_training)
+    names = {name: 1.0 for name in scored}
+    if task.finalize_metrics is not None:
+        names = task.finalize_metrics(names)
+    return sorted(f"eval_{name}" for name in names)
+
+
+def check_metric_names(names: list[str], wanted: dict[str, tuple[str, str, str]]) -> None:
+    """Raise the one-line UsageError `metric_of` would, for each option whose metric is not
+    among `names`; `wanted`: metric -> (option, its value, hint with `{name}`)."""
+    for metric, (what, value, example) in wanted.items():
+        metric_of({name: 0.0 for name in names}, metric, what, value, example)
 
 
 def metric_of(record: dict[str, Any], metric: str, what: str, value: str, example: str) -> float:

@@ -57,9 +57,6 @@ class Trainer:
                  checkpoint_root: Path | None = None) -> None:
         self.session, self.config, self.task, self.run_log = session, config, task, run_log
         ctx, self.device = session.ctx, session.device
-        if config.keep_best and task.metric is None and task.eval_fn is None:
-            raise UsageError("--keep-best", config.to_dict()["keep_best"], "a task with eval_data and a metric",
-                             "the best checkpoint is chosen by an eval metric; drop --keep-best")
         user_model = task.model.to(self.device)
         named = [(n, p) for n, p in user_model.named_parameters() if p.requires_grad]
         self.watch = RunWatch(watch_options(config), named, session.scaler, run_log, ctx.rank, session.precision,
