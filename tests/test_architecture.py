@@ -117,3 +117,15 @@ def test_no_package_folder_is_one_that_tools_skip() -> None:
                if any(fnmatch.fnmatch(path.name, pattern) for pattern in SKIPPED_BY_TOOLS)]
     assert folders and skipped == []
     assert (REPO_ROOT / "ddp_amp" / "distributed" / "__init__.py").is_file()
+
+
+def test_the_configuration_imports_no_service_and_no_layer_below_sees_it() -> None:
+    """TrainConfig validates with what it owns (and the amp layer's loss-scale rules); the
+    layers under the Trainer get their own options, never the whole configuration."""
+    graph = grimp.build_graph("ddp_amp")
+    imported = {module for module in graph.find_modules_directly_imported_by("ddp_amp.config")}
+    assert imported <= {"ddp_amp.amp", "ddp_amp.errors", "ddp_amp.option_values"}, imported
+    below = ("ddp_amp.session", "ddp_amp.checkpoint", "ddp_amp.guards", "ddp_amp.metrics", "ddp_amp.amp",
+             "ddp_amp.distributed", "ddp_amp.env")
+    importers = graph.find_modules_that_directly_import("ddp_amp.config")
+    assert not [module for module in importers if module.startswith(below)], importers
