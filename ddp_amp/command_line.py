@@ -59,7 +59,7 @@ def build_parser(prog: str = "python -m ddp_amp.train") -> argparse.ArgumentPars
         if f.metadata["resume"] == "match":
             help_text += " [must match on resume]"
         if f.type in ("bool", bool):  # --compile and --no-compile: a flag can undo a file's true
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=False, help=help_text)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         elif f.name == "task_opt":
             parser.add_argument(flag, action="append", default=[], metavar="KEY=VALUE", help=help_text)
         else:

@@ -148,12 +148,22 @@ class TrainConfig:
     preempt_requeue: str = _opt("auto", "after a preemption stop: auto (rank 0 runs `scontrol "
                                 "requeue $SLURM_JOB_ID` under SLURM) or never", ("auto", "never"))
 
+    # --- sharding (ddp_amp/distributed/fsdp.py): models larger than one GPU ---
+    shard: bool = _opt(False, "shard the model, its gradients and the optimizer state over the ranks (FSDP2) "
+                       "instead of replicating them (DDP): each rank holds 1/N; the task's blocks "
+                       "(Task.shard_units) are the units; checkpoints are written sharded (each rank its part)")
+    reshard_after_forward: bool = _opt(True, "with --shard: free each unit's gathered weights after its forward "
+                                       "and gather them again for backward (--no-reshard-after-forward keeps them, "
+                                       "more memory, less communication)")
+    activation_checkpointing: bool = _opt(False, "with --shard: recompute each unit's activations in backward "
+                                          "instead of keeping them (less memory, one more forward per unit)")
     # --- performance fast paths (measured by python -m ddp_amp.bench) ---
     compile: bool = _opt(False, "torch.compile the model (inside the autocast wrapper, under DDP) and "
                          "the loss; the first steps pay the compile time. Pays on transformers, not on "
                          "steps too short to be GPU-bound (docs/benchmarks.md has the figures)")
-    grad_comm_dtype: str = _opt("fp32", "dtype DDP all-reduces gradients in: fp32, or bf16/fp16 "
-                                "compression (half the traffic, less precise sums)", ("fp32", "bf16", "fp16"))
+    grad_comm_dtype: str = _opt("fp32", "dtype gradients are reduced in (DDP's all-reduce, --shard's "
+                                "reduce-scatter): fp32, or bf16/fp16 (half the traffic, less precise sums)",
+                                ("fp32", "bf16", "fp16"))
     static_graph: bool = _opt(False, "tell DDP the graph is the same every step (same parameters "
                               "used, no data-dependent control flow); lets it skip per-step work")
     optimizer_impl: str = _opt("auto", "optimizer kernels for adamw/sgd: auto (fused where "
@@ -199,6 +209,15 @@ class TrainConfig:
         if self.async_checkpoint and not self.ckpt_every:
             raise UsageError("--async-checkpoint", True, "--ckpt-every N with it (the saves it moves to the background)",
                              "the final checkpoint is always written before the run ends; add e.g. --ckpt-every 500")
+        if self.shard:
+            for name in ("compile", "static_graph", "async_checkpoint"):
+                if getattr(self, name):
+                    raise UsageError(flag_of(name), True, "an option that works with --shard",
+                                     f"{flag_of(name)} is not supported with --shard yet; drop one of them")
+        elif not self.reshard_after_forward or self.activation_checkpointing:
+            name = "activation_checkpointing" if self.activation_checkpointing else "reshard_after_forward"
+            raise UsageError(flag_of(name), getattr(self, name), "--shard with it (it is a sharding option)",
+                             "add --shard, or drop it")
         if self.archive_checkpoints and self.resume != "none":
             raise UsageError("--archive-checkpoints", True, "--resume none with it",
                              "it moves old checkpoints aside for a fresh run: add --resume none")

@@ -77,12 +77,12 @@ def _train_in(run_dir: Path, plan: ResumePlan, config: TrainConfig, session: Ses
             trainer.load_checkpoint(plan.checkpoint)
         run_log.info(f"task={task.name} world_size={ctx.world_size} device={ctx.device} "
                      f"backend={ctx.backend or 'none'} precision={precision.name} ({precision.reason}) "
-                     f"run_dir={run_dir} start: {plan.describe()}")
+                     f"model={trainer.layout} run_dir={run_dir} start: {plan.describe()}")
         for notice in plan.notices:
             run_log.info(notice)
         run_log.write_json("config.json", {"config": config.to_dict(), "env": vars(ctx.env),
                                            "device": str(ctx.device), "backend": ctx.backend,
-                                           "precision": precision.name})
+                                           "precision": precision.name, "model": trainer.layout})
         # Records past the step we start from belong to a lost attempt: drop them, so a
         # requeued run neither duplicates nor misses steps. A fresh start drops them all
         # (its step-0 records, such as the first evaluation, are written again).

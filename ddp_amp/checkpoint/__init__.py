@@ -11,7 +11,9 @@
 - `rng`: every rank's RNG states;
 - `save` / `load`: the collective save and load that the Trainer and `Session` both use;
 - `background` / `staging`: the same save with the write in a thread on rank 0, from a host
-  copy of the state (`--async-checkpoint`).
+  copy of the state (`--async-checkpoint`);
+- `sharded`: a checkpoint whose sharded state each rank writes its part of (FSDP2, with
+  torch.distributed.checkpoint), committed by rank 0 once every part is whole.
 
 What goes into the files is the caller's: the Trainer saves its model and training state,
 `Session` the user's state. Imports `amp`, `distributed`, `durable`, `errors` and `version`.
@@ -28,9 +30,11 @@ from ddp_amp.checkpoint.manifest import IncompleteCheckpoint, verify_checkpoint
 from ddp_amp.checkpoint.rng import capture_rng, gather_rng_states, restore_rng
 from ddp_amp.checkpoint.safe_types import check_loadable, safe_load
 from ddp_amp.checkpoint.save import META_FILE, RNG_FILE, CheckpointError, SaveResult, ensure_writable, save_directory
+from ddp_amp.checkpoint.sharded import SHARDED_DIR, load_sharded, save_sharded, sharded_shapes, sharded_tensors
 
 __all__ = [
-    "BEST_FILE", "META_FILE", "RNG_FILE", "BackgroundSaver", "BestRecord", "CheckpointError", "FinishedWrite",
+    "BEST_FILE", "META_FILE", "RNG_FILE", "SHARDED_DIR", "load_sharded", "save_sharded", "sharded_shapes",
+    "sharded_tensors", "BackgroundSaver", "BestRecord", "CheckpointError", "FinishedWrite",
     "IncompleteCheckpoint", "LoadedCheckpoint", "SaveResult", "read_best", "write_best",
     "apply_retention", "capture_rng", "check_loadable", "checkpoint_root", "choose_checkpoint",
     "commit_checkpoint", "commit_directory", "complete_copy", "ensure_writable", "gather_rng_states",

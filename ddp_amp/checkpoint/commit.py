@@ -97,19 +97,34 @@ def _move_into_place(scratch: Path, target: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def commit_directory(target: Path, files: dict[str, Any], step: int = 0) -> Path:
+def scratch_for(target: Path) -> Path:
+    """Where this process writes `target` before the rename that commits it."""
+    return target.with_name(f"{SCRATCH_PREFIX}{target.name}-{os.getpid()}")
+
+
+def new_scratch(target: Path) -> Path:
+    """An empty scratch directory for `target` (what a killed write of it left is cleared)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = scratch_for(target)
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    return scratch
+
+
+def commit_directory(target: Path, files: dict[str, Any], step: int = 0,
+                     written: tuple[Path, dict[str, FileRecord]] | None = None) -> Path:
     """Write `files` (name -> bytes or torch.save-able object) as the directory `target`.
 
-    Returns `target`. On any failure the partial directory is removed (which also frees
-    the space a full disk needs) and the error propagates; nothing else changes. An
-    existing `target` is replaced whole (see `_move_into_place`).
+    `written`: a scratch directory (`new_scratch`) that holds files written already, by
+    other processes too (a sharded checkpoint's shards), with their records; the manifest
+    covers them and `files`. Returns `target`. On any failure the partial directory is
+    removed (which also frees the space a full disk needs) and the error propagates;
+    nothing else changes. An existing `target` is replaced whole (see `_move_into_place`).
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = target.with_name(f"{SCRATCH_PREFIX}{target.name}-{os.getpid()}")
-    shutil.rmtree(scratch, ignore_errors=True)
+    scratch, records = written if written is not None else (None, {})
+    records = dict(records)
     try:
-        scratch.mkdir()
-        records = {}
+        scratch = scratch if scratch is not None else new_scratch(target)
         for name, payload in files.items():
             records[name] = _write_file(scratch / name, payload)
         manifest = {"format": FORMAT_VERSION, "step": step, "files": records}
@@ -118,7 +133,7 @@ def commit_directory(target: Path, files: dict[str, Any], step: int = 0) -> Path
         _move_into_place(scratch, target)
         fsync_dir(target.parent)
     except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(scratch if scratch is not None else scratch_for(target), ignore_errors=True)
         raise
     # What killed writes of this name left behind is obsolete now that a whole one is here.
     for pattern in (f"{SCRATCH_PREFIX}{target.name}-*", f"{ASIDE_PREFIX}{target.name}-*"):
@@ -127,11 +142,12 @@ def commit_directory(target: Path, files: dict[str, Any], step: int = 0) -> Path
     return target
 
 
-def commit_checkpoint(target: Path, files: dict[str, Any], keep_last: int = 0) -> Path:
-    """Commit `files` as the directory `target`; where it is a `step-N` directory, then apply
-    retention to its siblings (`keep_last`, 0 keeps all); returns `target`."""
+def commit_checkpoint(target: Path, files: dict[str, Any], keep_last: int = 0,
+                      written: tuple[Path, dict[str, FileRecord]] | None = None) -> Path:
+    """Commit `files` (and what is `written` already) as the directory `target`; where it is
+    a `step-N` directory, then apply retention to its siblings (`keep_last`, 0 keeps all)."""
     step = step_of(target)
-    target = commit_directory(target, files, step or 0)
+    target = commit_directory(target, files, step or 0, written)
     if step is not None:
         remove_scratch(target.parent)
         apply_retention(target.parent, keep_last, target)

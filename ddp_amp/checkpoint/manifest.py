@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,14 @@ def file_digest(path: Path) -> str:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def record_of(path: Path) -> FileRecord:
+    """A file written by another writer (torch.distributed.checkpoint's shards): fsynced here,
+    then its size and sha256 for the manifest."""
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+    return {"size": path.stat().st_size, "sha256": file_digest(path)}
 
 
 def encode_manifest(manifest: dict[str, Any]) -> bytes:

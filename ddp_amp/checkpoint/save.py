@@ -25,7 +25,7 @@ import torch
 
 from ddp_amp.checkpoint.commit import check_writable, commit_checkpoint
 from ddp_amp.checkpoint.discovery import list_step_dirs
-from ddp_amp.checkpoint.manifest import MANIFEST_NAME
+from ddp_amp.checkpoint.manifest import MANIFEST_NAME, FileRecord
 from ddp_amp.checkpoint.rng import gather_rng_states
 from ddp_amp.checkpoint.safe_types import check_loadable
 from ddp_amp.distributed import on_rank_zero
@@ -44,7 +44,7 @@ class SaveResult:
     error: CheckpointError | None
 
 
-def _write_failure(target: Path, error: OSError) -> CheckpointError:
+def write_failure(target: Path, error: OSError) -> CheckpointError:
     siblings = list_step_dirs(target.parent)
     if target.exists():
         kept_note = f"the previous {target.name} is kept"
@@ -96,11 +96,13 @@ def commit_outcome(target: Path, commit: Callable[[dict[str, Any]], Path],
     try:
         return str(commit(contents)), None
     except OSError as error:
-        return None, _write_failure(target, error)
+        return None, write_failure(target, error)
 
 
-def commit_to(target: Path, keep_last: int = 0) -> Callable[[dict[str, Any]], Path]:
-    """Rank 0's commit of a checkpoint's contents as the directory `target`.
+def commit_to(target: Path, keep_last: int = 0, written: tuple[Path, dict[str, FileRecord]] | None = None
+              ) -> Callable[[dict[str, Any]], Path]:
+    """Rank 0's commit of a checkpoint's contents (and of what is `written` already, as
+    `commit_directory` takes it) as the directory `target`.
 
     A checkpoint already at `target` is replaced once the new one is whole; anything else
     there (a file, a directory without a manifest) is the user's and is never replaced: the
@@ -112,7 +114,7 @@ def commit_to(target: Path, keep_last: int = 0) -> Callable[[dict[str, Any]], Pa
             raise UsageError("checkpoint path", str(target), "a writable checkpoint location: a new "
                              "path or an earlier checkpoint (a directory with manifest.json)",
                              "something else is there and is not overwritten; pick another path")
-        return commit_checkpoint(target, contents, keep_last)
+        return commit_checkpoint(target, contents, keep_last, written)
 
     return commit
 

@@ -76,16 +76,17 @@ def _open_store(env: DistEnv, timeout: timedelta) -> dist.Store:
 
 
 def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: BackendChoice = "auto",
-                     timeout_s: float = 600.0) -> DistContext:
+                     timeout_s: float = 600.0, group_of_one: bool = False) -> DistContext:
     """Choose the device and join the process group (collective).
 
-    A world of one joins none, unless a backend is named: then it forms a group of one, so
-    that the DDP path (bucketed all-reduce, comm hooks) runs and can be checked on one GPU.
+    A world of one joins none, unless a backend is named or `group_of_one` asks for one (a
+    sharded model needs a group): then it forms a group of one, so that the DDP or FSDP path
+    runs and can be checked on one GPU.
     """
     torch_device = resolve_device(device, env, backend)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
-    if not env.is_distributed and backend == "auto":
+    if not env.is_distributed and backend == "auto" and not group_of_one:
         return DistContext(env, torch_device, None)
     chosen = resolve_backend(backend, torch_device)
     if dist.is_initialized():  # idempotent: a user's script may have joined already

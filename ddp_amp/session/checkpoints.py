@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_map
 
 from ddp_amp import checkpoint
@@ -26,6 +27,8 @@ from ddp_amp.distributed import DistContext, all_gather_objects, mark_agreed, on
 from ddp_amp.errors import UsageError
 from ddp_amp.session.layout import (SCALER_KEY, SavedState, check_keys, layout_files, load_into, saved_state,
                                     state_of)
+from ddp_amp.session.models import SessionModels
+from ddp_amp.session.sharded_state import dcp_form, put_back, restore_full, sharded_keys
 
 T = TypeVar("T")
 
@@ -47,9 +50,9 @@ def _to_host(value: Any) -> Any:
 class SessionCheckpoints:
     """Save, read and restore checkpoints of one session's state (collectives throughout)."""
 
-    def __init__(self, ctx: DistContext, precision: Precision, scaler: AgreedGradScaler,
+    def __init__(self, ctx: DistContext, precision: Precision, scaler: AgreedGradScaler, models: SessionModels,
                  warn: Callable[[str], None]) -> None:
-        self.ctx, self.precision, self.scaler, self.warn = ctx, precision, scaler, warn
+        self.ctx, self.precision, self.scaler, self.models, self.warn = ctx, precision, scaler, models, warn
         self._background = checkpoint.BackgroundSaver()
 
     @property
@@ -64,10 +67,24 @@ class SessionCheckpoints:
         self.wait()  # one write in flight: a failed earlier one raises here, on every rank
         started = time.perf_counter()
         gathered = {key: all_gather_objects(_to_host(value)) for key, value in sorted(per_rank.items())}
-        files, listed = layout_files(state, self.scaler.state_dict(), gathered)
+        sharded = sharded_keys(state)
+        files, listed = layout_files({k: v for k, v in state.items() if k not in sharded}, self.scaler.state_dict(),
+                                     gathered)
+        if sharded:  # written by every rank, each its shards, under sharded/
+            listed["modules"] = sorted(listed["modules"] + [k for k in sharded if isinstance(state[k], nn.Module)])
+            listed["sharded"] = sharded
         description = {"saved_by": "ddp_amp", "precision": self.precision.name,
                        "loss_scaling": self.scaler.is_enabled(),
                        "scaler_skipped_total": int(self.scaler.skipped_steps().item()), **listed, **meta}
+        if sharded:
+            if background:
+                raise UsageError("background", True, "a synchronous save of a sharded model",
+                                 "background saves of sharded state are not supported yet; save it synchronously")
+            result = checkpoint.save_sharded(target, files, description, dcp_form(state, sharded), self.ctx.device,
+                                             self.ctx.world_size, keep_last)
+            if result.error is not None:
+                raise mark_agreed(result.error, 0)
+            return Saved(target, time.perf_counter() - started)
         if background:
             self._background.start(target, files, description, self.ctx.device, self.ctx.world_size, keep_last)
             return None
@@ -124,9 +141,18 @@ class SessionCheckpoints:
         """Load `saved` into the objects of `state` and into the scaler (collective where the
         scaler scales: rank 0's state is authoritative, every rank verifies it agrees); give
         this rank its RNG streams back; return the plain values and this rank's per-rank ones."""
-        rank = self.ctx.rank
+        rank, from_dcp = self.ctx.rank, [key for key in state if key in saved.sharded]
+        if from_dcp:  # resharded onto this world, into sharded objects or not
+            put_back(state, checkpoint.load_sharded(saved.path, dcp_form(state, from_dcp)))
+        live_sharded = set(sharded_keys(state))
         for key, obj in state.items():
-            load_into(obj, saved.per_rank[key][rank] if key in saved.per_rank else saved.value(key))
+            if key in from_dcp:
+                continue
+            value = saved.per_rank[key][rank] if key in saved.per_rank else saved.value(key)
+            if key in live_sharded:  # a replicated checkpoint's full state into a sharded object
+                restore_full(state, key, value)
+            else:
+                load_into(obj, value)
         checkpoint.restore_scaler(self.scaler, saved.values.get(SCALER_KEY) or {}, saved.scaler_skipped_total,
                                   self.precision.name, str(saved.meta.get("precision")), notice)
         if restore_rng and rank < len(saved.rng):

@@ -23,9 +23,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import weakref
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -33,19 +32,19 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_amp.amp import (AgreedGradScaler, AutocastModule, Precision, StepResult, amp_step, resolve_precision,
-                         scaled_backward, unwrap_model, wrap_model)
-from ddp_amp.distributed import (BackendChoice, DeviceChoice, DistContext, PeerFailureWatch, agreed_origin,
-                                 all_gather_objects, announce_failure, comm_hook, init_distributed,
-                                 release_ddp, shutdown_distributed, to_device)
+                         scaled_backward, unwrap_model)
+from ddp_amp.distributed import (BackendChoice, DeviceChoice, DistContext, PeerFailureWatch, ShardOptions, Units,
+                                 agreed_origin, all_gather_objects, announce_failure, init_distributed,
+                                 shutdown_distributed, to_device)
 from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import check_rank_sync
 from ddp_amp.metrics.trackers import Trackers, start_trackers_on_rank_zero
 from ddp_amp.session.checkpoints import Saved, SessionCheckpoints
 from ddp_amp.session.layout import SavedState
+from ddp_amp.session.models import SessionModels
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,15 +56,17 @@ class Session:
     def __init__(self, precision: str = "auto", device: DeviceChoice = "auto",
                  backend: BackendChoice = "auto", timeout_s: float = 600.0,
                  scaler_options: Mapping[str, float | int] | None = None,
-                 environ: Mapping[str, str] | None = None, *, fp8_emulate: bool = False) -> None:
+                 environ: Mapping[str, str] | None = None, *, fp8_emulate: bool = False,
+                 shard: ShardOptions | None = None) -> None:
         self._choices = (precision, device, backend, timeout_s, fp8_emulate)
         self._scaler_options = dict(scaler_options or {})
         self._environ = environ
+        self._shard = shard
         self._ctx: DistContext | None = None
         self._precision: Precision | None = None
         self._scaler: AgreedGradScaler | None = None
         self._checkpoints: SessionCheckpoints | None = None
-        self._ddp_refs: list[weakref.ref[DDP]] = []
+        self._models: SessionModels | None = None
         self._owns_group = False
         self._watch: PeerFailureWatch | None = None
 
@@ -84,7 +85,7 @@ class Session:
         env = detect_env(os.environ if self._environ is None else self._environ)
         # A group the caller made before is the caller's to destroy; one we make is ours.
         owns_group = not dist.is_initialized()
-        ctx = init_distributed(env, device, backend, timeout_s)
+        ctx = init_distributed(env, device, backend, timeout_s, group_of_one=self._shard is not None)
         try:
             self._precision = resolve_precision(precision, ctx.device, fp8_emulate)
             self._scaler = self._precision.make_scaler(**self._scaler_options)
@@ -94,7 +95,8 @@ class Session:
             raise
         self._owns_group = owns_group
         self._ctx = ctx
-        self._checkpoints = SessionCheckpoints(ctx, self._precision, self._scaler, log.warning)
+        self._models = SessionModels(ctx, self._precision, self._shard)
+        self._checkpoints = SessionCheckpoints(ctx, self._precision, self._scaler, self._models, log.warning)
         # A peer whose exception leaves its session block ends this process too (failure.py).
         self._watch = PeerFailureWatch(ctx.store if ctx.world_size > 1 else None, ctx.rank).start()
         log.debug("session: rank %d/%d on %s, %s (%s)", ctx.rank, ctx.world_size, ctx.device,
@@ -134,14 +136,12 @@ class Session:
         if self._watch is not None:
             self._watch.stop()
             self._watch = None
-        refs, self._ddp_refs = self._ddp_refs, []
+        models, self._models = self._models, None
         if not self._owns_group:
             return
         gc.collect()
-        for ref in refs:
-            model = ref()
-            if model is not None:
-                release_ddp(model)
+        if models is not None:
+            models.release()
         shutdown_distributed()
 
     # -- where this process is -----------------------------------------------------------
@@ -191,40 +191,33 @@ class Session:
     # -- models ----------------------------------------------------------------------
 
     def setup(self, model: nn.Module, *, compile_model: bool = False, grad_comm_dtype: str = "fp32",
-              find_unused_parameters: bool = False, cast_outputs_to_fp32: bool = False,
-              gradient_as_bucket_view: bool = True, **ddp_options: Any) -> nn.Module:
+              cast_outputs_to_fp32: bool = False, units: Units = None, **ddp_options: Any) -> nn.Module:
         """Move `model` to the device and wrap it: DDP(AutocastModule(model)) (collective).
 
-        A world of one gets the AutocastModule alone. `compile_model` compiles the model
-        inside the wrapper; `grad_comm_dtype` ("bf16", "fp16") all-reduces gradients
-        compressed. Make optimizers from the returned module's parameters (they are the
-        model's own). Extra keywords (static_graph, bucket_cap_mb, ...) go to DDP.
+        A world of one gets the AutocastModule alone; a session with `shard` shards the model
+        instead (FSDP2: `units`, module classes or a function naming its blocks, else its
+        largest ModuleList's children, then the model itself), `AutocastModule(model)`.
+        `compile_model` compiles the model inside the wrapper; `grad_comm_dtype` ("bf16",
+        "fp16") reduces gradients compressed. Make optimizers from the returned module's
+        parameters (the model's own). Other keywords (static_graph, find_unused_parameters,
+        bucket_cap_mb, ...) go to DDP.
         """
-        if isinstance(model, (DDP, AutocastModule)):
-            raise UsageError("model", type(model).__name__, "the plain user module",
-                             "pass the model before wrapping; setup adds AutocastModule and DDP")
-        precision, ctx = self.precision, self.ctx
-        # A Python comm hook only where compression needs one; else DDP's C++ all-reduce.
-        hook = comm_hook(grad_comm_dtype, ctx.backend or "gloo") if ctx.has_group else None
-        wrapped = wrap_model(model, precision, ctx.device, distributed=ctx.has_group, compile_model=compile_model,
-                             cast_outputs_to_fp32=cast_outputs_to_fp32, comm_hook=hook,
-                             find_unused_parameters=find_unused_parameters,
-                             gradient_as_bucket_view=gradient_as_bucket_view, **ddp_options)
-        if isinstance(wrapped, DDP):
-            self._ddp_refs.append(weakref.ref(wrapped))
-        return wrapped
+        return self._made().setup(model, compile_model=compile_model, grad_comm_dtype=grad_comm_dtype,
+                                  cast_outputs_to_fp32=cast_outputs_to_fp32, units=units, ddp_options=ddp_options)
 
     def local_module(self, model: nn.Module) -> AutocastModule:
         """The AutocastModule inside a set-up model: same weights, no DDP collectives.
 
-        For eval and inference: its forward autocasts (in any thread) but never talks to
-        other ranks, so ranks may run different numbers of batches.
+        For eval and inference: its forward autocasts (in any thread); replicated, it never
+        talks to other ranks, so ranks may run different numbers of batches. Sharded, every
+        forward gathers weights from every rank: all ranks must run the same number.
         """
-        inner = model.module if isinstance(model, DDP) else model
-        if not isinstance(inner, AutocastModule):
-            raise UsageError("model", type(model).__name__, "a model returned by Session.setup",
-                             "pass what session.setup(model) returned")
-        return inner
+        return self._made().local_module(model)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this session shards its models (every forward is then collective)."""
+        return self._shard is not None
 
     @staticmethod
     def unwrap(model: nn.Module) -> nn.Module:
@@ -232,8 +225,8 @@ class Session:
         return unwrap_model(model)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[None]:
-        """Skip DDP's gradient all-reduce for micro-batches before the last of a step."""
-        return model.no_sync() if isinstance(model, DDP) else nullcontext()
+        """No gradient reduction for micro-batches before the last of a step (DDP's or FSDP's)."""
+        return self._made().no_sync(model)
 
     def autocast(self) -> AbstractContextManager[Any]:
         """Autocast in the run's precision, this thread only: for losses and eval code."""
@@ -254,15 +247,11 @@ class Session:
         the forward), so a second backward through the same graph would leave each rank its
         own unreduced gradients and the replicas would drift apart.
         """
-        if backward_options.get("retain_graph") and self._synced_ddp_models():
+        if backward_options.get("retain_graph") and self._made().synced_ddp():
             raise UsageError("retain_graph", True, "one backward per forward through a DDP model",
                              "DDP reduces the gradients of the first backward only; sum the losses and call "
                              "session.backward(loss0 + loss1) once: the gradients are the same")
         scaled_backward(self._scaler, loss, **backward_options)  # type: ignore[arg-type]
-
-    def _synced_ddp_models(self) -> list[DDP]:
-        models = (ref() for ref in self._ddp_refs)
-        return [m for m in models if m is not None and m.require_backward_grad_sync]
 
     def unscaled_grad(self, loss: torch.Tensor, inputs: Sequence[torch.Tensor],
                       create_graph: bool = True) -> tuple[torch.Tensor, ...]:
@@ -400,3 +389,7 @@ class Session:
     def _saver(self) -> SessionCheckpoints:
         self.ctx  # noqa: B018 - raises when not started
         return self._checkpoints  # type: ignore[return-value]
+
+    def _made(self) -> SessionModels:
+        self.ctx  # noqa: B018 - raises when not started
+        return self._models  # type: ignore[return-value]

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from ddp_amp.amp import unwrap_model
-from ddp_amp.checkpoint import LoadedCheckpoint
+from ddp_amp.checkpoint import LoadedCheckpoint, sharded_shapes
 from ddp_amp.errors import UsageError
 
 STATE_FILE = "state.pt"
@@ -108,6 +108,11 @@ class SavedState:
     rng: list[dict[str, Any]] = field(default_factory=list)
 
     @property
+    def sharded(self) -> list[str]:
+        """The entries written sharded, under sharded/ (a sharded model and its optimizer)."""
+        return list(self.meta.get("sharded", ()))
+
+    @property
     def world_size(self) -> int:
         return int(self.meta.get("world_size", len(self.rng) or 1))
 
@@ -117,7 +122,7 @@ class SavedState:
         return int(self.meta.get("scaler_skipped_total", self.values.get("scaler_skipped_total", 0)))
 
     def holds(self, key: str) -> bool:
-        return key in self.modules or key in self.values or key in self.per_rank
+        return key in self.modules or key in self.values or key in self.per_rank or key in self.sharded
 
     def value(self, key: str) -> Any:
         """The saved state of `key`: a module's state dict, another object's, or a plain value."""
@@ -128,7 +133,13 @@ class SavedState:
         raise UsageError("checkpoint key", key, f"one of {sorted(self.keys())}", "save it first, or leave it out of the load")
 
     def keys(self) -> list[str]:
-        return sorted({*self.modules, *self.values, *self.per_rank} - {SCALER_KEY})
+        return sorted({*self.modules, *self.values, *self.per_rank, *self.sharded} - {SCALER_KEY})
+
+    def shapes(self, key: str) -> dict[str, tuple[int, ...]]:
+        """Each tensor's (global) shape in module entry `key`, read from the map alone where sharded."""
+        if key in self.sharded:
+            return sharded_shapes(self.path, key)
+        return {name: tuple(tensor.shape) for name, tensor in self.value(key).items() if isinstance(tensor, Tensor)}
 
 
 def saved_state(loaded: LoadedCheckpoint) -> SavedState:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
+from ddp_amp.distributed import Units
 from ddp_amp.errors import UsageError
 
 if TYPE_CHECKING:
@@ -103,6 +104,10 @@ class Task:
     # Tokens in one training item (a language model's sequence length): the log's
     # tokens_per_s is samples/s times this; 0 = the task has no tokens.
     tokens_per_sample: int = 0
+    # The model's blocks, each sharded as a unit under --shard: module classes, or a function
+    # of the model returning its modules; None: the children of its largest nn.ModuleList,
+    # else its direct children that hold parameters (ddp_amp/distributed/fsdp.py).
+    shard_units: Units = None
 
 
 def parse_task_options(options: Mapping[str, str], defaults: Mapping[str, int | float]) -> dict[str, int | float]:
@@ -194,6 +199,11 @@ def _check_task(spec: str, task: object) -> Task:
         raise UsageError("--task", spec, "Task.metric (or eval_fn) with Task.eval_data and a Task.step_fn",
                          "without one, eval_data is scored by its loss (loss_fn, or the model's own .loss), which a "
                          "step_fn cannot give without changing the task's state")
+    units = task.shard_units
+    if units is not None and not callable(units) and not (
+            isinstance(units, tuple) and units and all(isinstance(c, type) and issubclass(c, nn.Module) for c in units)):
+        raise UsageError("--task", spec, f"Task.shard_units to be module classes (a tuple) or a function of the "
+                         f"model, got {units!r}", "e.g. shard_units=(nn.TransformerEncoderLayer,)")
     if isinstance(task.tokens_per_sample, bool) or not isinstance(task.tokens_per_sample, int) \
             or task.tokens_per_sample < 0:
         raise UsageError("--task", spec, f"Task.tokens_per_sample to be an integer >= 0, got {task.tokens_per_sample!r}",

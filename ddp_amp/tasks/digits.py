@@ -64,6 +64,7 @@ def make_task(config: TrainConfig) -> Task:
     model = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
                           nn.Linear(hidden, 10))
     return Task(
+        shard_units=(nn.Linear,),
         model=model,
         train_data=TensorDataset(images[kept], labels[kept]),
         eval_data=TensorDataset(images[held], labels[held]),

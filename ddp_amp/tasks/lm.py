@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from ddp_amp.distributed import fused_kernel_takes
 from ddp_amp.errors import UsageError
 from ddp_amp.tasks import parse_task_options
 
@@ -179,6 +180,7 @@ def make_task(config: TrainConfig) -> Task:
     # optimizer step taken, so one epoch is this many steps.
     steps_per_epoch = max(1, len(train_data) // config.batch_size)
     return Task(
+        shard_units=(nn.TransformerEncoderLayer,),
         model=model,
         train_data=train_data,
         eval_data=eval_data,
@@ -186,8 +188,9 @@ def make_task(config: TrainConfig) -> Task:
         metric=lm_metric,
         finalize_metrics=perplexity,
         # Fused: it takes the scaler's skip flag on the device, where a plain SGD makes the
-        # scaler read the flag on the host every fp16 step.
-        make_optimizer=lambda params, lr: torch.optim.SGD(params, lr=lr, fused=True),
+        # scaler read the flag on the host every fp16 step (sharded parameters have no fused SGD).
+        make_optimizer=lambda params, lr: torch.optim.SGD(params, lr=lr,
+                                                          fused=fused_kernel_takes(torch.optim.SGD, params)),
         make_scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, steps_per_epoch, gamma=0.95),
         default_lr=5.0,
         default_clip_grad_norm=0.5,

@@ -58,6 +58,7 @@ def make_task(config: TrainConfig) -> Task:
     split = sizes["samples"] // 8
     model = make_model(sizes["in_size"], sizes["hidden"], sizes["out_size"], sizes["layers"])
     return Task(
+        shard_units=(nn.Linear,),
         model=model,
         train_data=TensorDataset(inputs[split:], targets[split:]),
         eval_data=TensorDataset(inputs[:split], targets[:split]),

@@ -13,6 +13,7 @@ is written.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -28,13 +29,16 @@ from ddp_amp.trainer.stream import collate
 
 @torch.no_grad()
 def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: DistContext,
-             micro_batch_size: int, data: Dataset | None = None, prefix: str = "eval_") -> dict[str, float]:
+             micro_batch_size: int, data: Dataset | None = None, prefix: str = "eval_",
+             collective_forward: bool = False) -> dict[str, float]:
     """`task.metric` (or `task.eval_fn`) over `data` (default `task.eval_data`), names prefixed
     (collective: all ranks call it).
 
     `forward` runs the batches: the autocast wrapper, not DDP (no gradient buckets, no
     buffer broadcast, the same dtype the training forward used). `train_mode_of` is put
-    in eval mode for the pass and back in train mode after it.
+    in eval mode for the pass and back in train mode after it. `collective_forward`: every
+    forward talks to the other ranks (a sharded model gathers its weights), so every rank
+    runs as many batches as the rank with the most, the extra ones at weight 0.
     """
     data = task.eval_data if data is None else data
     if data is None:
@@ -47,18 +51,28 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: Dist
     if not sampler:
         sampler = range(1)
     sums: dict[str, torch.Tensor] = {}
+
+    def add(batch: Any, batch_weight: float) -> None:
+        for name, (total, count) in score(forward, to_device(batch, ctx.device)).items():
+            pair = batch_weight * torch.stack([total.detach().double().to(ctx.device),
+                                               torch.tensor(float(count), dtype=torch.float64, device=ctx.device)])
+            sums[name] = sums[name] + pair if name in sums else pair
+
     train_mode_of.eval()
     try:
         # A generator of its own: a DataLoader draws its base seed from the global RNG
         # otherwise, and evaluating would change the dropout of the steps after it.
         loader = DataLoader(data, batch_size=micro_batch_size, sampler=sampler,
                             generator=torch.Generator(), collate_fn=collate)
+        first, done = None, 0
         for batch in loader:
-            scored = score(forward, to_device(batch, ctx.device))
-            for name, (total, count) in scored.items():
-                pair = weight * torch.stack([total.detach().double().to(ctx.device),
-                                             torch.tensor(float(count), dtype=torch.float64, device=ctx.device)])
-                sums[name] = sums[name] + pair if name in sums else pair
+            first = batch if first is None else first
+            add(batch, weight)
+            done += 1
+        if collective_forward:  # as many as the rank with the most: its share rounded up, in batches
+            most = math.ceil(math.ceil(len(data) / ctx.world_size) / micro_batch_size)  # type: ignore[arg-type]
+            for _ in range(most - done):
+                add(first, 0.0)
     finally:
         train_mode_of.train()
     means = {}

@@ -23,14 +23,13 @@ from typing import Any
 import torch
 
 from ddp_amp.amp import AgreedGradScaler
-from ddp_amp.checkpoint import choose_checkpoint, safe_load
+from ddp_amp.checkpoint import choose_checkpoint
 from ddp_amp.config import TrainConfig
-from ddp_amp.distributed import all_reduce_
+from ddp_amp.distributed import all_reduce_, describe_units, shard_units
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import PreemptionWatch, RunWatch, stop_for_preemption, worker_ignores
 from ddp_amp.metrics import RunLog, counting_flops, peak_memory_mb, throughput_fields
 from ddp_amp.session import Session
-from ddp_amp.session.layout import module_file
 from ddp_amp.tasks import Task
 from ddp_amp.trainer.batch_loss import BatchLoss
 from ddp_amp.trainer.best import BestKeeper
@@ -61,9 +60,11 @@ class Trainer:
         named = [(n, p) for n, p in user_model.named_parameters() if p.requires_grad]
         self.watch = RunWatch(watch_options(config), named, session.scaler, run_log, ctx.rank, session.precision,
                               distributed=ctx.has_group)
+        # What the start line says of the model: how it is sharded, if it is.
+        self.layout = (f"sharded: {describe_units(shard_units(user_model, task.shard_units))} and the model as the "
+                       "root" if session.sharded else "replicated")
         self.model = session.setup(user_model, compile_model=config.compile, grad_comm_dtype=config.grad_comm_dtype,
-                                   static_graph=config.static_graph)
-        self._ddp = self.model is not session.local_module(self.model)
+                                   units=task.shard_units, **({"static_graph": True} if config.static_graph else {}))
         self._precision = session.precision  # the step enters its autocast: read once here
         # --compile compiles a loss_fn on its own as well: a cross-entropy over a large
         # vocabulary then runs as fused kernels instead of materialising fp32 log-probabilities.
@@ -137,7 +138,7 @@ class Trainer:
         accum = self.config.grad_accum
         total: torch.Tensor | None = None
         for micro in range(accum):
-            with self.model.no_sync() if self._ddp and micro < accum - 1 else _NOTHING:
+            with self.session.no_sync(self.model) if micro < accum - 1 else _NOTHING:
                 loss = self._micro_step(accum, first=micro == 0)
             total = loss if total is None else total + loss
         return total  # type: ignore[return-value]
@@ -272,7 +273,8 @@ class Trainer:
     def evaluate(self, data: Any = None, prefix: str = "eval_") -> dict[str, float]:
         """The task's metric on its eval data (or `data`): under autocast, no scaler, all ranks (collective)."""
         return evaluate(self.task, self.session.local_module(self.model), self.model, self.session.ctx,
-                        self.config.micro_batch_size(self.session.world_size), data=data, prefix=prefix)
+                        self.config.micro_batch_size(self.session.world_size), data=data, prefix=prefix,
+                        collective_forward=self.session.sharded)
 
     def eval_record(self) -> dict[str, Any]:
         """`evaluate()` at the current step, logged to metrics.jsonl (collective)."""
@@ -293,8 +295,8 @@ class Trainer:
         tested = self.step
         if self.best is not None and self.best.best is not None and self.best.best.step != self.step:
             tested = self.best.best.step
-            weights = safe_load(self.best.best.directory(self.checkpoints.root) / module_file("model"))  # type: ignore[arg-type]
-            self.session.unwrap(self.model).load_state_dict(weights)
+            best = self.session.read(self.best.best.directory(self.checkpoints.root))[0]  # type: ignore[arg-type]
+            self.session.restore(best, {"model": self.model}, restore_rng=False, notice=self.run_log.info)
         return {**self.evaluate(self.task.test_data, prefix="test_"), "test_weights_from_step": tested}
 
     # --- checkpoints: what goes in is checkpoints.py's, the layout and protocol the session's ---

@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ddp_amp.distributed import fused_kernel_takes
 from ddp_amp.errors import UsageError
 from ddp_amp.tasks import Task
 
 
-def optimizer_kwargs(impl: str, device: torch.device) -> list[dict[str, bool]]:
-    """Keyword choices to try in order for `--optimizer-impl` (fused may be unavailable)."""
+def optimizer_kwargs(impl: str, device: torch.device, fused_takes: bool = True) -> list[dict[str, bool]]:
+    """Keyword choices to try in order for `--optimizer-impl` (fused may be unavailable, and
+    where `fused_takes` is False its kernel does not take these parameters)."""
     if impl == "fused":
         return [{"fused": True}]
     if impl == "foreach":
@@ -20,7 +22,7 @@ def optimizer_kwargs(impl: str, device: torch.device) -> list[dict[str, bool]]:
     # auto: fused kernels take the scaler's inv-scale and found-inf as device tensors, so
     # the step needs no `.item()`; foreach is the next best (fused over foreach SGD: a step
     # time ratio of 0.85 on a 2-core CPU, 0.95 on an H100; docs/benchmarks.md).
-    return [{"fused": True}, {"foreach": device.type == "cuda"}]
+    return ([{"fused": True}] if fused_takes else []) + [{"foreach": device.type == "cuda"}]
 
 
 def make_optimizers(task: Task, choice: str, params: list[nn.Parameter], lr: float,
@@ -51,7 +53,7 @@ def _built_in(choice: str, params: list[nn.Parameter], lr: float,
               device: torch.device, impl: str = "auto") -> torch.optim.Optimizer:
     """AdamW (for `auto` and `adamw`) or SGD, fused where possible."""
     kind = torch.optim.SGD if choice == "sgd" else torch.optim.AdamW
-    attempts = optimizer_kwargs(impl, device)
+    attempts = optimizer_kwargs(impl, device, fused_kernel_takes(kind, params))
     for kwargs in attempts[:-1]:
         try:
             return kind(params, lr=lr, **kwargs)

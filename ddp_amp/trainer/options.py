@@ -10,6 +10,7 @@ before anything starts.
 from __future__ import annotations
 
 from ddp_amp.config import TrainConfig
+from ddp_amp.distributed import ShardOptions
 from ddp_amp.guards import WatchOptions
 from ddp_amp.metrics.trackers import check_tracker_spec
 from ddp_amp.session import Session
@@ -22,8 +23,10 @@ def watch_options(config: TrainConfig) -> WatchOptions:
 
 def session_for(config: TrainConfig) -> Session:
     """The run core as the options ask for it (enter it with `with`)."""
+    shard = ShardOptions(config.reshard_after_forward, config.activation_checkpointing) if config.shard else None
     return Session(config.precision, config.device, config.backend, config.dist_timeout,  # type: ignore[arg-type]
-                   scaler_options=config.loss_scale_options().scaler_kwargs(), fp8_emulate=config.fp8_emulate)
+                   scaler_options=config.loss_scale_options().scaler_kwargs(), fp8_emulate=config.fp8_emulate,
+                   shard=shard)
 
 
 def check_options(config: TrainConfig) -> None:

@@ -77,13 +77,13 @@ def scale_learning_rates(optimizer: torch.optim.Optimizer,
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
 
 
-def check_model_shapes(path: Path, model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
-    """Refuse a checkpoint of another model before touching any parameter."""
-    live = model.state_dict()
+def check_model_shapes(path: Path, model: nn.Module, saved: dict[str, tuple[int, ...]]) -> None:
+    """Refuse a checkpoint of another model (`saved`: its tensors' shapes) before touching any parameter."""
+    live = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items() if isinstance(tensor, torch.Tensor)}
     missing = sorted(set(live) - set(saved))
     extra = sorted(set(saved) - set(live))
-    differ = [f"{name}: checkpoint {list(saved[name].shape)} vs model {list(tensor.shape)}"
-              for name, tensor in live.items() if name in saved and saved[name].shape != tensor.shape]
+    differ = [f"{name}: checkpoint {list(saved[name])} vs model {list(shape)}"
+              for name, shape in live.items() if name in saved and saved[name] != shape]
     problems = differ + [f"missing {name}" for name in missing] + [f"unexpected {name}" for name in extra]
     if problems:
         raise UsageError("--resume", str(path), "a checkpoint of this model (same --task and --task-opt)",
@@ -139,7 +139,7 @@ def _fits(saved: SavedState, parts: TrainingParts, rank: int, world_size: int,
           optimizer_may_change: bool) -> _Fit:
     """Check, on every rank, that `saved` resumes this run; raise UsageError where it does not."""
     path = saved.path
-    check_model_shapes(path, Session.unwrap(parts.model), saved.value("model"))
+    check_model_shapes(path, Session.unwrap(parts.model), saved.shapes("model"))
     optimizer = saved.holds("optimizer") and _optimizer_fits(path, saved.meta.get("optimizer_class"),
                                                              parts.optimizer_names(), optimizer_may_change)
     for key in ("data", "task_state"):

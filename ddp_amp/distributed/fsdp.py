@@ -1,0 +1,118 @@
+"""Sharding a model over the ranks with FSDP2 (`torch.distributed.fsdp.fully_shard`), in place of DDP.
+
+Each rank keeps 1/N of every parameter, of its gradient and of the optimizer state built on
+it (per-parameter DTensors, `Shard(0)`); a unit's full weights are all-gathered just before
+its forward and backward and freed after, and gradients are reduce-scattered. Units are the
+blocks of the model (`units`: what the task names, else `default_units`); the model itself
+is sharded last, as the root, holding what no unit holds (embeddings, a final norm, a head).
+
+Precision is not FSDP's job here: parameters stay fp32 (`MixedPrecisionPolicy` with no
+`param_dtype`) and the autocast wrapper around the root casts per op, exactly as it does
+around DDP, so `--precision` means the same numerics sharded or not (docs/sharding.md).
+`reduce_dtype` is `--grad-comm-dtype`'s, the dtype gradients are reduce-scattered in.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from ddp_amp.errors import UsageError
+
+# What a task may name its units by: module classes, or a function of the model.
+Units = tuple[type[nn.Module], ...] | Callable[[nn.Module], Iterable[nn.Module]] | None
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """How a model is sharded (`--shard` and the options that go with it)."""
+
+    # Free each unit's gathered weights after its forward and gather them again for its
+    # backward (the memory FSDP saves); False keeps them from forward to backward.
+    reshard_after_forward: bool = True
+    # Recompute each unit's activations in backward instead of keeping them.
+    activation_checkpointing: bool = False
+    reduce_dtype: torch.dtype | None = None  # None: gradients are reduced in fp32
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `model` (or a module inside it) was sharded with fully_shard."""
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks of a model that names none: the children of its largest `nn.ModuleList`
+    (a transformer's layers), else its direct children that hold parameters."""
+    lists = [module for module in model.modules() if isinstance(module, nn.ModuleList) and len(module)]
+    if lists:
+        return list(max(lists, key=lambda blocks: sum(p.numel() for p in blocks.parameters())))
+    return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def shard_units(model: nn.Module, units: Units) -> list[nn.Module]:
+    """The modules of `model` to shard as units, by what the task named (or the default)."""
+    if units is None:
+        return default_units(model)
+    if callable(units) and not isinstance(units, type) and not isinstance(units, tuple):
+        found = list(units(model))
+    else:
+        classes = units if isinstance(units, tuple) else (units,)
+        found = [module for module in model.modules() if isinstance(module, classes) and module is not model]
+    if not found or not all(isinstance(module, nn.Module) for module in found):
+        raise UsageError("Task.shard_units", _describe(units), "module classes or a function naming modules of "
+                         "the model", f"none matched in {type(model).__name__}; name its blocks' class, e.g. "
+                         "shard_units=(nn.TransformerEncoderLayer,)")
+    return found
+
+
+def _describe(units: Units) -> str:
+    if isinstance(units, tuple):
+        return ", ".join(cls.__name__ for cls in units)
+    return getattr(units, "__name__", repr(units))
+
+
+def shard_model(model: nn.Module, units: list[nn.Module], options: ShardOptions) -> nn.Module:
+    """`fully_shard` every unit, then the model as the root (collective: the ranks agree on
+    the layout). The model is the same object afterwards, now an FSDPModule."""
+    policy = MixedPrecisionPolicy(reduce_dtype=options.reduce_dtype)
+    for unit in units:
+        if options.activation_checkpointing:
+            from torch.distributed._composable import checkpoint  # the composable form keeps parameter names
+            checkpoint(unit)
+        fully_shard(unit, mp_policy=policy, reshard_after_forward=options.reshard_after_forward)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=options.reshard_after_forward)
+    # The root's output is often a view (a Linear over a 3-d input): FSDP warns in case it is
+    # modified in place, which the loss never does.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    return model
+
+
+def describe_units(units: list[nn.Module]) -> str:
+    """'2 x TransformerEncoderLayer' or '1 x Linear, 2 x Block': what the start line prints."""
+    counts: dict[str, int] = {}
+    for unit in units:
+        counts[type(unit).__name__] = counts.get(type(unit).__name__, 0) + 1
+    return ", ".join(f"{count} x {name}" for name, count in counts.items())
+
+
+def fused_kernel_takes(kind: type[torch.optim.Optimizer], params: Iterable[torch.Tensor]) -> bool:
+    """Whether `kind`'s fused kernel runs over these parameters: SGD's has no form for sharded
+    (DTensor) ones in torch 2.13 (its step raises), AdamW's and Adam's have."""
+    return not (issubclass(kind, torch.optim.SGD) and any(isinstance(p, DTensor) for p in params))
+
+
+def local_numel_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes this rank holds of `tensors` (a DTensor's local shard only)."""
+    total = 0
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            total += local.numel() * local.element_size()
+    return total
