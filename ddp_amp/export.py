@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ddp_amp.checkpoint import (META_FILE, IncompleteCheckpoint, checkpoint_root, complete_copy, list_step_dirs,
+from ddp_amp.checkpoint import (META_FILE, IncompleteCheckpoint, sharded_tensors, checkpoint_root, complete_copy, list_step_dirs,
                                 read_best, read_checkpoint, resolve_resume, verify_checkpoint)
 from ddp_amp.durable import write_atomic
 from ddp_amp.errors import UsageError
@@ -182,7 +182,8 @@ def chosen_module(path: Path, meta: Mapping[str, Any], module: str | None) -> st
     saved = list(meta.get("modules", ["model"]))  # before meta.json listed them, the Trainer's model
     if module is None and ("model" in saved or len(saved) == 1):
         module = "model" if "model" in saved else saved[0]
-    if module is None or module not in saved or not (path / module_file(module)).is_file():
+    present = module in meta.get("sharded", ()) or (module is not None and (path / module_file(module)).is_file())
+    if module is None or module not in saved or not present:
         hint = (f"name one with --module ({', '.join(saved)})" if saved else
                 "it holds no module: a Session.save of a model (state {'model': model}) writes one")
         raise UsageError("--module" if module else SOURCE, module or str(path),
@@ -191,18 +192,22 @@ def chosen_module(path: Path, meta: Mapping[str, Any], module: str | None) -> st
 
 
 def read_model_state(path: Path, module: str | None = None) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """(a module's state dict, meta.json, step) of verified checkpoint `path`."""
+    """(a module's state dict, meta.json, step) of verified checkpoint `path`; a sharded module's
+    shards are put together here, in this process."""
     try:
-        name = module_file(chosen_module(path, json.loads((path / META_FILE).read_text()), module))
-        loaded = read_checkpoint(path, [name], what=SOURCE)
+        meta = json.loads((path / META_FILE).read_text())
+        key = chosen_module(path, meta, module)
+        if key in meta.get("sharded", ()):
+            state: Any = sharded_tensors(path, key)
+        else:
+            state = read_checkpoint(path, [module_file(key)], what=SOURCE).files[module_file(key)]
     except (OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
         raise UsageError(SOURCE, str(path), "a readable ddp_amp checkpoint",
                          f"{type(error).__name__}: {error}"[:300]) from None
-    state = loaded.files[name]
-    if not isinstance(state, Mapping) or not all(isinstance(key, str) for key in state):
-        raise UsageError(SOURCE, str(path / name), "a state dict (names -> tensors)",
+    if not isinstance(state, Mapping) or not all(isinstance(name, str) for name in state):
+        raise UsageError(SOURCE, str(path / module_file(key)), "a state dict (names -> tensors)",
                          f"it holds a {type(state).__name__}; was it written by ddp_amp?")
-    return dict(state), loaded.meta, _step_of(path, loaded.meta)
+    return dict(state), meta, _step_of(path, meta)
 
 
 def _step_of(path: Path, meta: Mapping[str, Any]) -> int:

@@ -23,11 +23,12 @@ modules' state dicts among its values.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ddp_amp.amp import unwrap_model
@@ -72,15 +73,32 @@ def state_of(value: Any) -> Any:
     return value
 
 
+# An optimizer's choice of kernels, in each param group: this run's, whatever a checkpoint says
+# (its state loads into any of them; a fused SGD has no form for sharded parameters, say).
+KERNEL_OPTIONS = ("fused", "foreach")
+
+
+def keeping_kernels(optimizers: Sequence[Any], load: Callable[[], None]) -> None:
+    """Run `load` (a state load into `optimizers`), then give their groups back their kernels."""
+    kept = [[{key: group[key] for key in KERNEL_OPTIONS if key in group} for group in optimizer.param_groups]
+            for optimizer in optimizers]
+    load()
+    for optimizer, groups in zip(optimizers, kept, strict=True):
+        for group, options in zip(optimizer.param_groups, groups):
+            group.update(options)
+
+
 def load_into(obj: Any, saved: Any) -> None:
     """Put a saved state back into `obj` (what `state_of` took from it)."""
     if isinstance(obj, nn.Module):
         unwrap_model(obj).load_state_dict(saved)
+    elif isinstance(obj, torch.optim.Optimizer):
+        keeping_kernels([obj], lambda: obj.load_state_dict(saved))
     elif hasattr(obj, "load_state_dict"):
         obj.load_state_dict(saved)
     elif isinstance(obj, (list, tuple)) and all(hasattr(item, "load_state_dict") for item in obj):
         for item, state in zip(obj, saved, strict=True):
-            item.load_state_dict(state)
+            load_into(item, state)
 
 
 def layout_files(state: Mapping[str, Any], scaler_state: dict[str, Any],

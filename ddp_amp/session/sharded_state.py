@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from ddp_amp.amp import unwrap_model
 from ddp_amp.distributed import is_sharded
 from ddp_amp.errors import UsageError
+from ddp_amp.session.layout import keeping_kernels
 
 _FULL = StateDictOptions(full_state_dict=True)
 
@@ -88,7 +89,8 @@ def put_back(state: Mapping[str, Any], form: Mapping[str, Any]) -> None:
         if optimizers is None:
             set_model_state_dict(unwrap_model(value), loaded)
         else:
-            set_optimizer_state_dict(owner(optimizers, state), optimizers, loaded)  # type: ignore[arg-type]
+            keeping_kernels(optimizers, lambda: set_optimizer_state_dict(owner(optimizers, state),  # type: ignore[arg-type]
+                                                                         optimizers, loaded))  # noqa: B023
 
 
 def restore_full(state: Mapping[str, Any], key: str, saved: Any) -> None:
@@ -108,9 +110,10 @@ def restore_full(state: Mapping[str, Any], key: str, saved: Any) -> None:
         # Nothing per parameter to shard (SGD without momentum): torch's own load does it,
         # where the by-name load finds no tensor to learn the device from and refuses.
         for optimizer, state_dict in zip(optimizers, saved_list, strict=True):
-            optimizer.load_state_dict(state_dict)
+            keeping_kernels([optimizer], lambda: optimizer.load_state_dict(state_dict))  # noqa: B023 - run at once
         return
-    set_optimizer_state_dict(model, optimizers, _by_name(saved_list, optimizers, model), options=_FULL)
+    keeping_kernels(optimizers, lambda: set_optimizer_state_dict(model, optimizers, _by_name(saved_list, optimizers,
+                                                                                              model), options=_FULL))
 
 
 def _by_name(saved: Sequence[dict[str, Any]], optimizers: Sequence[torch.optim.Optimizer],
