@@ -56,6 +56,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     result = _bench("--device", "cpu", "--scale", "0.004", "--batches", "2", "--epochs", "1",
                     "--blocks", "2", "--steps-per-block", "1", "--transformer-precisions", "fp32,fp8",
+                    "--memory-width", "64", "--memory-layers", "4",
                     "--check", "--json", str(out))
     assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-3000:]
     return result, json.loads(out.read_text())
@@ -126,6 +127,7 @@ def test_check_lists_every_target_and_exits_1_exactly_when_one_is_missed(tiny_ru
         line = next(line for line in lines if where in line)
         assert line.lstrip().startswith("n/a ") and "this run is on cpu" in line, line
     assert "no targets stated: recipe, fastpaths, checkpoint" in text
+    assert len([line for line in lines if line.lstrip().startswith("met ") and " memory sharded" in line]) == 6
     assert ("targets missed: host" in result.stderr) == bool(missed)
 
 

@@ -32,10 +32,10 @@ from typing import Any, NoReturn
 
 import torch
 
-from ddp_amp.bench import amp_recipe, checkpoint_stall, fastpaths, host, overhead, table, transformer
+from ddp_amp.bench import amp_recipe, checkpoint_stall, fastpaths, host, memory, overhead, table, transformer
 from ddp_amp.bench.targets import check_report, check_text
 
-SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint")
+SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint", "memory")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "rows say why where the device has no float8 matmuls)")
     parser.add_argument("--transformer-batch", type=int, default=None,
                         help="transformer: sequences per step (default: 8 of 1024 tokens on CUDA, 4 of 64 on CPU)")
+    parser.add_argument("--memory-width", type=int, default=memory.WIDTH,
+                        help=f"memory: width of the Linear stack (default: {memory.WIDTH}; with "
+                        f"--memory-layers {memory.LAYERS}, about 50M parameters)")
+    parser.add_argument("--memory-layers", type=int, default=memory.LAYERS,
+                        help=f"memory: Linear layers in the stack (default: {memory.LAYERS})")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per process (default: all cores for recipe trials, cores/ranks for ranks)")
     parser.add_argument("--check", action="store_true",
@@ -188,6 +193,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         section = checkpoint_stall.run(args.device, args.scale, args.checkpoint_pairs, threads=args.trial_threads)
         report["sections"]["checkpoint"] = section
         print("\n" + checkpoint_stall.async_table(section), flush=True)
+    if "memory" in args.sections:
+        section = memory.run(args.device, args.memory_width, args.memory_layers)
+        report["sections"]["memory"] = section
+        print("\n" + memory.memory_table(section), flush=True)
     return report
 
 

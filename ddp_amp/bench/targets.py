@@ -116,7 +116,9 @@ def _targets(value: Any, where: list[str]) -> Iterator[Outcome]:
 
 def _identity(row: dict[str, Any]) -> str:
     """What tells a row from its siblings: 'fp16 compiled', 'fp32, group of 1 (DDP)'."""
-    parts = [str(row[key]) for key in ("name", "loop", "precision") if isinstance(row.get(key), str)]
+    parts = [str(row[key]) for key in ("name", "loop", "precision", "variant") if isinstance(row.get(key), str)]
+    if isinstance(row.get("ranks"), int) and "ddp" not in row:
+        parts.append(f"on {row['ranks']} rank(s)")
     if isinstance(row.get("compiled"), bool):
         parts.append("compiled" if row["compiled"] else "eager")
     text = " ".join(parts)
