@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_amp import checkpoint
 from ddp_amp.amp import (AgreedGradScaler, AutocastModule, Precision, StepResult, amp_step, resolve_precision,
                          scaled_backward, unwrap_model, wrap_model)
-from ddp_amp.distributed import (BackendChoice, DeviceChoice, DistContext, PeerFailureWatch, agreed_origin,
+from ddp_amp.distributed import (BackendChoice, DeviceChoice, DistContext, PeerWatch, agreed_origin,
                           all_gather_objects, announce_failure, init_distributed, mark_agreed, on_rank_zero,
                           release_ddp, shutdown_distributed, to_device)
 from ddp_amp.env import DistEnv, detect_env
@@ -68,7 +68,7 @@ class Session:
         self._scaler: AgreedGradScaler | None = None
         self._ddp_refs: list[weakref.ref[DDP]] = []
         self._owns_group = False
-        self._watch: PeerFailureWatch | None = None
+        self._watch: PeerWatch | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -91,8 +91,9 @@ class Session:
             raise
         self._owns_group = owns_group
         self._ctx = ctx
-        # A peer whose exception leaves its session block ends this process too (failure.py).
-        self._watch = PeerFailureWatch(ctx.store if ctx.world_size > 1 else None, ctx.rank).start()
+        # A peer whose exception leaves its session block ends this process too (failure.py),
+        # and so do a silent peer and a launcher that is gone (watch.py).
+        self._watch = PeerWatch(ctx.store, ctx.env, ctx.progress).start()
         log.debug("session: rank %d/%d on %s, %s (%s)", ctx.rank, ctx.world_size, ctx.device,
                   self._precision.name, self._precision.reason)
         return self
@@ -108,6 +109,8 @@ class Session:
         """
         ctx = self._ctx
         if isinstance(exc, Exception) and agreed_origin(exc) is None and ctx is not None:
+            if self._watch is not None:
+                self._watch.explain(exc)  # a peer killed or hung: named in one line, and this process ends
             announce_failure(exc, ctx.store, ctx.rank)
         self.close()
 

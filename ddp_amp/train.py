@@ -31,7 +31,7 @@ from ddp_amp.amp import Precision, resolve_precision
 from ddp_amp.checkpoint import checkpoint_root, ensure_writable
 from ddp_amp.config import TrainConfig
 from ddp_amp.command_line import config_toml, parse_command_line
-from ddp_amp.distributed import (DistContext, PeerFailureWatch, agreed_origin, init_distributed, on_every_rank,
+from ddp_amp.distributed import (DistContext, PeerWatch, agreed_origin, init_distributed, on_every_rank,
                           publish_failure, published_failure, shutdown_distributed)
 from ddp_amp.env import detect_env
 from ddp_amp.errors import CheckpointError, TrainingHalted, UsageError
@@ -133,14 +133,14 @@ def main(argv: list[str] | None = None, exiting: bool = False) -> int:
         if rank == 0:  # every rank read the same input: one line is enough
             print(f"ddp_amp: error: {error}", file=sys.stderr)
         return 2
-    watch = PeerFailureWatch(ctx.store, rank).start()
+    watch = PeerWatch(ctx.store, env, ctx.progress).start()
     try:
         summary = train(config, ctx)
         return exit_code_for(summary) if summary.get("preempted") else 0
     except KeyboardInterrupt:
         return 130
     except Exception as error:  # noqa: BLE001 - one line, once, the traceback on --debug
-        return _report(error, ctx, debug)
+        return _report(error, ctx, debug, watch)
     finally:
         watch.stop()
         shutdown_distributed()
@@ -150,13 +150,15 @@ def main(argv: list[str] | None = None, exiting: bool = False) -> int:
             early.restore()
 
 
-def _report(error: Exception, ctx: DistContext, debug: bool) -> int:
+def _report(error: Exception, ctx: DistContext, debug: bool, watch: PeerWatch) -> int:
     """Print a failure once for the whole job; the exit code for it.
 
     An error every rank raised together (an agreed one, or a safety stop) is printed by rank
     0. An error of this rank alone is published for the peers, whose watch then ends them,
     and printed here, unless another rank's failure was published first: then this one is
     its consequence (a peer vanished mid-collective) and the message was already shown.
+    A collective that failed because a peer was killed or hung, or the launcher is gone, is
+    the watch's to explain: it says so in one line for the job and ends the process.
     """
     code = 2 if isinstance(error, UsageError) else 3 if isinstance(error, CheckpointError) else 1
     origin = 0 if isinstance(error, TrainingHalted) else agreed_origin(error)
@@ -166,6 +168,7 @@ def _report(error: Exception, ctx: DistContext, debug: bool) -> int:
         if ctx.rank == 0:
             print(_failure_line(error, origin), file=sys.stderr, flush=True)
         return code
+    watch.explain(error, show_error=debug)  # returns where no peer went silent and the launcher is there
     earlier = published_failure(ctx.store)
     if earlier is not None and earlier.get("rank") != ctx.rank and not debug:
         return code  # a consequence of a peer's failure, whose message was shown

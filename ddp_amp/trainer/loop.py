@@ -162,6 +162,7 @@ class Trainer(CheckpointSaves):
         if self.schedule is not None:  # per step: on taken steps only, without a host sync per step
             self.schedule.after_step()
         self.step += 1
+        self.ctx.progress.step = self.step  # for the heartbeat, which the watch thread writes
         self.samples_seen += self.config.batch_size
         return step_loss.float()  # type: ignore[union-attr]
 
@@ -346,6 +347,7 @@ class Trainer(CheckpointSaves):
             self.checkpoint_root / checkpoint.step_dir_name(self.step)).resolve()
         self._saved_step = self.step if own else None
         self.last_checkpoint = Path(path)
+        self.ctx.progress.step, self.ctx.progress.checkpoint = self.step, str(path)
         self.run_log.info(f"resumed from {path} at step {self.step}")
 
     def _apply_new_lr(self, saved_config: dict[str, Any]) -> None:

@@ -112,6 +112,7 @@ class CheckpointSaves:
             self.run_log.info(f"checkpoint at step {step} failed: {error}")
             return None
         self._saved_step, self.last_checkpoint = step, path
+        self.ctx.progress.checkpoint = str(path)  # named by a worker that stops without its launcher
         self.run_log.info(f"saved checkpoint {path} ({seconds:.2f} s{how})")
         return path
 
