@@ -172,9 +172,9 @@ def test_srun_killed_with_sigkill_takes_its_tasks_and_a_rerun_resumes(slurm_clus
     job = sbatch(slurm_cluster, script, ["--ntasks=2", "--nodes=1"], args, tmp_path)
     try:
         _wait_until(lambda: (run_dir / "checkpoints" / "step-00000100").exists(), "the checkpoint at step 100")
-        sruns = [pid for pid in _job_processes(job, "srun --kill-on-bad-exit=1") if
-                 Path(f"/proc/{pid}/comm").read_text().strip() == "srun"]
-        tasks = _job_processes(job, "-m ddp_amp.train")
+        srun_or_task = _job_processes(job, "-m ddp_amp.train")
+        sruns = [pid for pid in srun_or_task if Path(f"/proc/{pid}/comm").read_text().strip() == "srun"]
+        tasks = [pid for pid in srun_or_task if pid not in sruns]
         assert sruns and len(tasks) == 2, (sruns, tasks)
         for pid in sruns:
             os.kill(pid, signal.SIGKILL)
