@@ -69,6 +69,14 @@ def _start(command: list[str]) -> tuple[subprocess.Popen[str], Output]:
     return proc, Output(proc)
 
 
+def _wait_gone(pids: list[int], deadline: float, output: Output | None = None) -> None:
+    while any(is_running(pid) for pid in pids):
+        assert time.monotonic() < deadline, (f"workers {pids} still ran 30 s after torchrun was killed: "
+                                             + " ".join(Path(f"/proc/{pid}/stat").read_text() for pid in pids
+                                                        if is_running(pid)) + (output.text()[-3000:] if output else ""))
+        time.sleep(0.05)
+
+
 def test_workers_of_a_killed_torchrun_stop_within_seconds_and_a_rerun_resumes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [*MLP, "--max-steps", "100000", "--ckpt-every", "50", "--run-dir", str(run_dir)]
@@ -80,12 +88,8 @@ def test_workers_of_a_killed_torchrun_stop_within_seconds_and_a_rerun_resumes(tm
         torchrun.kill()
         killed = time.monotonic()
         torchrun.wait(10)
-        while any(is_running(pid) for pid in workers) and time.monotonic() - killed < 30:
-            time.sleep(0.05)
+        _wait_gone(workers, killed + 30, output)
         stopped_after = time.monotonic() - killed
-        assert stopped_after < 30, (f"workers {workers} still ran 30 s after torchrun was killed: "
-                                    + " ".join(Path(f"/proc/{pid}/stat").read_text() for pid in workers
-                                               if is_running(pid)) + output.text()[-3000:])
         output.wait_closed(10)
     finally:
         torchrun.kill()
@@ -127,7 +131,8 @@ def test_workers_of_a_torchrun_killed_while_they_start_stop_too(tmp_path: Path) 
         stopped_after = time.monotonic() - killed
     finally:
         torchrun.kill()
-    assert not any(is_running(pid) for pid in workers)
+    # Their output closes as they exit, a moment before they are gone.
+    _wait_gone(workers, killed + 30)
     # Killed while the workers import torch, as a rule; else the watch saw it, as above.
     assert len(output.ours()) == 1 and re.search(r"the launcher is gone|the launcher \(torchrun, pid \d+\) is gone",
                                                  output.ours()[0]), output.text()[-3000:]
