@@ -30,7 +30,7 @@ _STARTUP = EarlySignals((signal.SIGUSR1, signal.SIGTERM)) if __name__ == "__main
 from ddp_amp.checkpoint import checkpoint_root, ensure_writable
 from ddp_amp.command_line import config_toml, parse_command_line
 from ddp_amp.config import TrainConfig
-from ddp_amp.distributed import DistContext, agreed_origin, on_every_rank, publish_failure, published_failure
+from ddp_amp.distributed import agreed_origin, on_every_rank, publish_failure, published_failure
 from ddp_amp.env import detect_env
 from ddp_amp.errors import CheckpointError, TrainingHalted, UsageError
 from ddp_amp.guards import exit_code_for
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None, exiting: bool = False) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as error:  # noqa: BLE001 - one line, once, the traceback on --debug
-        return _report(error, session.ctx, debug)
+        return _report(error, session, debug)
     finally:
         session.close()
         if exiting:  # nothing is left to save: a late warning must not kill the exit
@@ -147,14 +147,17 @@ def main(argv: list[str] | None = None, exiting: bool = False) -> int:
             early.restore()
 
 
-def _report(error: Exception, ctx: DistContext, debug: bool) -> int:
+def _report(error: Exception, session: Session, debug: bool) -> int:
     """Print a failure once for the whole job; the exit code for it.
 
     An error every rank raised together (an agreed one, or a safety stop) is printed by rank
     0. An error of this rank alone is published for the peers, whose watch then ends them,
     and printed here, unless another rank's failure was published first: then this one is
     its consequence (a peer vanished mid-collective) and the message was already shown.
+    A collective that failed because a peer was killed or hung, or the launcher is gone, is
+    the watch's to explain: it says so in one line for the job and ends the process.
     """
+    ctx = session.ctx
     code = 2 if isinstance(error, UsageError) else 3 if isinstance(error, CheckpointError) else 1
     origin = 0 if isinstance(error, TrainingHalted) else agreed_origin(error)
     if origin is not None:  # raised on every rank together: rank 0 prints it
@@ -163,6 +166,7 @@ def _report(error: Exception, ctx: DistContext, debug: bool) -> int:
         if ctx.rank == 0:
             print(_failure_line(error, origin), file=sys.stderr, flush=True)
         return code
+    session.explain(error, show_error=debug)  # returns where no peer went silent and the launcher is there
     earlier = published_failure(ctx.store)
     if earlier is not None and earlier.get("rank") != ctx.rank and not debug:
         return code  # a consequence of a peer's failure, whose message was shown

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from ddp_amp.distributed.spawn import free_port, run_ranks
 
-__all__ = ["REPO_ROOT", "cli_env", "free_port", "kill_when", "run_ranks", "run_train", "slow_writes_env"]
+__all__ = ["REPO_ROOT", "child_pids", "cli_env", "free_port", "is_running", "kill_when", "run_ranks", "run_train",
+           "slow_writes_env"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,3 +71,24 @@ def kill_when(proc: subprocess.Popen[str], ready: Callable[[], bool], what: str,
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(30)
+
+
+def _stat(pid: int | str) -> list[str]:
+    """/proc/PID/stat after the command name: [state, ppid, ...] (Linux); [] where it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def is_running(pid: int) -> bool:
+    """Whether process `pid` runs: a zombie no longer does (nobody may be left to reap it)."""
+    state = _stat(pid)
+    return bool(state) and state[0] not in "ZX"
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    return [int(path.parent.name) for path in Path("/proc").glob("[0-9]*/stat")
+            if (state := _stat(path.parent.name)) and int(state[1]) == pid]
+

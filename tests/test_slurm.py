@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from ddp_amp.checkpoint import verify_checkpoint
-from tests.multiproc import REPO_ROOT, run_train
+from tests.multiproc import REPO_ROOT, is_running, run_train
 from tests.slurm_cluster import FINAL_STATES, Cluster, job_info, job_output, sbatch, wait_job
 
 TINY = ["--task", "mlp", "--device", "cpu", "--max-steps", "20", "--log-every", "10", "--task-opt", "hidden=32",
@@ -240,6 +242,56 @@ def test_a_preemption_whose_checkpoint_failed_is_not_requeued(slurm_cluster: Clu
     assert (f"stopped at step {stops[0]['step']} after SIGUSR1; checkpoint: none; the checkpoint failed, "
             "so the job is not requeued") in out, out
     assert f"job {job} restart 1 " not in out, out
+
+
+def _job_processes(job: str, command: str) -> list[int]:
+    """The pids of this host's processes of `job` whose command line holds `command`."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"SLURM_JOB_ID={job}\0".encode() in environ.read_bytes() and \
+                    command.encode() in (environ.parent / "cmdline").read_bytes().replace(b"\0", b" "):
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_srun_killed_with_sigkill_takes_its_tasks_and_a_rerun_resumes(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    """No orphans under srun: `kill -9` of srun gives it no chance to signal anything, yet
+    Slurm ends the step's tasks (srun's helper process, its child, cancels the step), while
+    the batch script goes on; the run lock goes with rank 0, and a rerun resumes from the
+    last committed checkpoint. (Killing srun and its helper together leaves the tasks
+    running: docs/facts.md.)"""
+    script = tmp_path / "srun_then_wait.sh"
+    script.write_text('#!/bin/bash\nsrun --kill-on-bad-exit=1 "$PYTHON" -m ddp_amp.train "$@"\n'
+                      'echo "srun ended: $?"\nsleep 120\n')
+    run_dir = tmp_path / "run"
+    args = [*_preemptible(100000), "--ckpt-every", "50", "--run-dir", str(run_dir)]
+    job = sbatch(slurm_cluster, script, ["--ntasks=2", "--nodes=1"], args, tmp_path)
+    try:
+        _wait_until(lambda: (run_dir / "checkpoints" / "step-00000100").exists(), "the checkpoint at step 100")
+        srun_or_task = _job_processes(job, "-m ddp_amp.train")
+        sruns = [pid for pid in srun_or_task if Path(f"/proc/{pid}/comm").read_text().strip() == "srun"]
+        tasks = [pid for pid in srun_or_task if pid not in sruns]
+        srun = [pid for pid in sruns if int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[1])
+                not in sruns]  # the one the batch script started, not its helper
+        assert len(srun) == 1 and len(tasks) == 2, (sruns, tasks)
+        os.kill(srun[0], signal.SIGKILL)
+        killed = time.monotonic()
+        _wait_until(lambda: not any(is_running(pid) for pid in tasks), "the tasks ending", timeout=30)
+        ended_after = time.monotonic() - killed
+        _wait_until(lambda: "srun ended: 137" in job_output(tmp_path), "the batch script going on", timeout=30)
+        assert job_info(slurm_cluster, job)["JobState"] == "RUNNING"  # the allocation is still there
+    finally:
+        subprocess.run(["scancel", job], env=slurm_cluster.env(), timeout=30)
+    from ddp_amp.checkpoint.discovery import checkpoint_root, list_step_dirs
+
+    step, newest = list_step_dirs(checkpoint_root(run_dir))[-1]
+    rerun = run_train([*_preemptible(step + 10), "--run-dir", str(run_dir), "--resume", "auto"], nproc=2)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"start: resume from {newest}" in rerun.stdout, rerun.stdout
+    print(f"the tasks ended {ended_after:.2f} s after srun was killed")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,6 +7,9 @@
 - `ddp`: the one DDP wrap, its comm hook, and releasing it before teardown;
 - `fsdp`: sharding a model over the ranks with FSDP2 instead (`--shard`);
 - `failure`: an error on one rank ends every rank within seconds, printed once;
+- `liveness`: heartbeats in the store: which peers are alive and making progress;
+- `launcher`: whether this worker's launcher (its parent, the store it hosts) is still there;
+- `watch`: `PeerWatch`, the thread that stops a rank whose job cannot go on, with one line;
 - `spawn`: N local processes that form a group (benchmarks and multi-rank tests).
 
 Imports only `env` and `errors` from ddp_amp.
@@ -18,13 +21,16 @@ from ddp_amp.distributed.ddp import CommHook, comm_hook, release_ddp, wrap_ddp
 from ddp_amp.distributed.device import DeviceChoice, resolve_device, to_device
 from ddp_amp.distributed.fsdp import (ShardOptions, Units, default_units, describe_units, fused_kernel_takes, is_sharded,
                                       local_numel_bytes, shard_model, shard_units)
-from ddp_amp.distributed.failure import PeerFailureWatch, announce_failure, publish_failure, published_failure
+from ddp_amp.distributed.failure import announce_failure, publish_failure, published_failure
 from ddp_amp.distributed.group import (BackendChoice, DistContext, distributed, init_distributed,
                                 resolve_backend, shutdown_distributed)
+from ddp_amp.distributed.liveness import Progress
+from ddp_amp.distributed.watch import PeerWatch
 
 __all__ = [
-    "ShardOptions", "Units", "default_units", "describe_units", "fused_kernel_takes", "is_sharded", "local_numel_bytes", "shard_model",
-    "shard_units", "BackendChoice", "CommHook", "DeviceChoice", "DistContext", "PeerFailureWatch", "agreed_origin",
+    "ShardOptions", "Units", "default_units", "describe_units", "fused_kernel_takes", "is_sharded", "local_numel_bytes",
+    "shard_model", "shard_units", "BackendChoice", "CommHook", "DeviceChoice", "DistContext", "PeerWatch", "Progress",
+    "agreed_origin",
     "all_gather_objects", "all_reduce_", "announce_failure", "publish_failure", "published_failure",
     "broadcast_object", "comm_hook", "distributed", "has_peers",
     "init_distributed", "mark_agreed", "on_every_rank", "on_rank_zero", "release_ddp",

@@ -5,9 +5,11 @@ blocked in their next collective: gloo notices a vanished peer, NCCL waits until
 timeout (`--dist-timeout`, 600 s by default). So:
 - the failing rank publishes its message in the group's store (`publish_failure`) before
   it exits, and prints it;
-- every rank runs a `PeerFailureWatch` while it trains: a thread that looks in the store
+- every rank runs a `watch.PeerWatch` while it trains: a thread that looks in the store
   twice a second and, once another rank's failure is there, ends this process at once
   (exit 1) without a message of its own, even while it is blocked in a collective;
+- a rank that finds a peer silent (gone, or hung: liveness.py) claims the failure with
+  `claim_failure`: of several ranks that find it at once, one prints the line;
 - a rank whose own call failed because a peer vanished reads the store before printing
   (`published_failure`): a failure published by another rank was already shown.
 The store is the per-attempt one, so a torchrun restart starts with no failure recorded.
@@ -16,9 +18,7 @@ The store is the per-attempt one, so a torchrun restart starts with no failure r
 from __future__ import annotations
 
 import json
-import os
 import sys
-import threading
 import traceback
 from types import TracebackType
 from typing import Any
@@ -37,6 +37,13 @@ def publish_failure(store: dist.Store | None, rank: int, message: str) -> None:
         store.set(FAILURE_KEY, json.dumps({"rank": rank, "message": message}))
     except Exception:  # noqa: BLE001 - a dead store: the peers learn from the broken group
         pass
+
+
+def claim_failure(store: dist.Store, rank: int, message: str) -> bool:
+    """Publish `message` as the job's failure unless one is there already; True where this
+    call published it (raises where the store cannot be reached)."""
+    value = json.dumps({"rank": rank, "message": message})
+    return bytes(store.compare_set(FAILURE_KEY, "", value)) == value.encode()
 
 
 def published_failure(store: dist.Store | None) -> dict[str, Any] | None:
@@ -71,32 +78,3 @@ def announce_failure(error: BaseException, store: dist.Store | None, rank: int) 
 
     sys.excepthook = skip_this_one
     publish_failure(store, rank, f"rank {rank}: {type(error).__name__}: {error}")
-
-
-class PeerFailureWatch:
-    """A daemon thread that ends this process once another rank has published a failure."""
-
-    def __init__(self, store: dist.Store | None, rank: int, interval_s: float = 0.5) -> None:
-        self.store, self.rank, self.interval_s = store, rank, interval_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> PeerFailureWatch:
-        if self.store is not None:
-            self._thread = threading.Thread(target=self._watch, name="ddp_amp-peer-failure", daemon=True)
-            self._thread.start()
-        return self
-
-    def _watch(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            failure = published_failure(self.store)
-            if failure is not None and failure.get("rank") != self.rank:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(EXIT_PEER_FAILED)  # the main thread may be blocked in a collective
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None

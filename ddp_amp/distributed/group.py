@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ddp_amp.distributed.device import DeviceChoice, resolve_device
+from ddp_amp.distributed.launcher import check_launcher_store
+from ddp_amp.distributed.liveness import Progress
 from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
 
@@ -37,6 +39,9 @@ class DistContext:
     # The group's key-value store (this attempt's prefix), where a failing rank leaves its
     # error for the others (failure.py); None without a group of several ranks.
     store: dist.Store | None = field(default=None, compare=False, repr=False)
+    # What this rank's loop has done (its last step, its run's last checkpoint), read by the
+    # rank's watch thread for its heartbeat (liveness.py); the loop sets plain attributes.
+    progress: Progress = field(default_factory=Progress, compare=False, repr=False)
 
     @property
     def rank(self) -> int:
@@ -64,6 +69,7 @@ def resolve_backend(choice: BackendChoice, device: torch.device) -> str:
 
 
 def _open_store(env: DistEnv, timeout: timedelta) -> dist.Store:
+    check_launcher_store(env)  # a launcher killed while this worker started: no 600 s of retries
     is_server = env.rank == 0 and not env.agent_hosts_store
     # Every rank passes wait_for_workers=True: that is what registers a client with the
     # server's worker count (the server alone then blocks until all have joined).

@@ -35,7 +35,7 @@ from torch import nn
 
 from ddp_amp.amp import (AgreedGradScaler, AutocastModule, Precision, StepResult, amp_step, resolve_precision,
                          scaled_backward, unwrap_model)
-from ddp_amp.distributed import (BackendChoice, DeviceChoice, DistContext, PeerFailureWatch, ShardOptions, Units,
+from ddp_amp.distributed import (BackendChoice, DeviceChoice, DistContext, PeerWatch, ShardOptions, Units,
                                  agreed_origin, all_gather_objects, announce_failure, init_distributed,
                                  shutdown_distributed, to_device)
 from ddp_amp.env import DistEnv, detect_env
@@ -68,7 +68,7 @@ class Session:
         self._checkpoints: SessionCheckpoints | None = None
         self._models: SessionModels | None = None
         self._owns_group = False
-        self._watch: PeerFailureWatch | None = None
+        self._watch: PeerWatch | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -97,8 +97,9 @@ class Session:
         self._ctx = ctx
         self._models = SessionModels(ctx, self._precision, self._shard)
         self._checkpoints = SessionCheckpoints(ctx, self._precision, self._scaler, self._models, log.warning)
-        # A peer whose exception leaves its session block ends this process too (failure.py).
-        self._watch = PeerFailureWatch(ctx.store if ctx.world_size > 1 else None, ctx.rank).start()
+        # A peer whose exception leaves its session block ends this process too (failure.py),
+        # and so do a silent peer and a launcher that is gone (watch.py).
+        self._watch = PeerWatch(ctx.store, ctx.env, ctx.progress).start()
         log.debug("session: rank %d/%d on %s, %s (%s)", ctx.rank, ctx.world_size, ctx.device,
                   self._precision.name, self._precision.reason)
         return self
@@ -114,12 +115,20 @@ class Session:
         """
         ctx = self._ctx
         if isinstance(exc, Exception) and agreed_origin(exc) is None and ctx is not None:
+            self.explain(exc)  # a peer killed or hung: named in one line, and this process ends
             announce_failure(exc, ctx.store, ctx.rank)
         try:
             if exc is None and self._checkpoints is not None and self._checkpoints.in_flight is not None:
                 self.wait_for_save()  # a background save's failure is the block's: raised here
         finally:
             self.close()
+
+    def explain(self, error: BaseException, show_error: bool = False) -> None:
+        """After a collective of this rank failed: where a peer was killed or hangs, or the
+        launcher is gone, the failure watch names it in one line for the job and ends this
+        process; otherwise this returns and the error is the caller's to report."""
+        if self._watch is not None:
+            self._watch.explain(error, show_error=show_error)
 
     def close(self) -> None:
         """Leave the process group the session joined, after releasing its DDP wrappers.

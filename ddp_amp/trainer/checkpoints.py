@@ -103,6 +103,7 @@ class RunCheckpoints:
 
     def _committed(self, step: int, path: Path, seconds: float, how: str) -> None:
         self._saved_step, self.last, self.error = step, path, None
+        self.session.ctx.progress.checkpoint = str(path)  # named by a worker that stops without its launcher
         self.info(f"saved checkpoint {path} ({seconds:.2f} s{how})")
 
     def _state(self, step: int, samples_seen: int) -> dict[str, Any]:

@@ -66,6 +66,7 @@ class Trainer:
         self.model = session.setup(user_model, compile_model=config.compile, grad_comm_dtype=config.grad_comm_dtype,
                                    units=task.shard_units, **({"static_graph": True} if config.static_graph else {}))
         self._precision = session.precision  # the step enters its autocast: read once here
+        self._progress = session.ctx.progress
         # --compile compiles a loss_fn on its own as well: a cross-entropy over a large
         # vocabulary then runs as fused kernels instead of materialising fp32 log-probabilities.
         self.batch_loss = BatchLoss(task, compile_loss=config.compile)
@@ -117,6 +118,7 @@ class Trainer:
         if self.schedule is not None:  # per step: on taken steps only, without a host sync per step
             self.schedule.after_step()
         self.step += 1
+        self._progress.step = self.step  # for the heartbeat, which the failure watch's thread writes
         self.samples_seen += self.config.batch_size
         return step_loss if step_loss.dtype == torch.float32 else step_loss.float()  # type: ignore[union-attr]
 
@@ -319,6 +321,7 @@ class Trainer:
             self._apply_new_lr(restored.meta.get("config", {}))
         if self.schedule is not None:
             self.schedule.after_load()
+        self._progress.step, self._progress.checkpoint = self.step, str(path)  # what the watch reports
         self.run_log.info(f"resumed from {path} at step {self.step}")
 
     def _apply_new_lr(self, saved_config: dict[str, Any]) -> None:

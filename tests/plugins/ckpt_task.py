@@ -4,13 +4,16 @@ Task options (`--task-opt KEY=VALUE`):
 - `hidden`: width (a different width makes a checkpoint of "another model");
 - `loss_mult`: multiplies the loss; a large value overflows fp16 so the scaler skips steps;
 - `kill_at`, `kill_rank`: on torchrun's first attempt (TORCHELASTIC_RESTART_COUNT=0) the
-  rank `kill_rank` SIGKILLs itself as it starts optimizer step `kill_at + 1`.
+  rank `kill_rank` SIGKILLs itself as it starts optimizer step `kill_at + 1`;
+- `hang_at` (with `kill_rank`): that rank sleeps forever there instead, a hang in its own code;
+- `stop_at` (with `kill_rank`): that rank stops itself there (SIGSTOP): alive, but silent.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from typing import Any
 
 import torch
@@ -22,7 +25,7 @@ from ddp_amp import Task, TrainConfig
 SAMPLES = 96  # 2 ranks x micro-batch 4 -> 12 micro-batches per rank per epoch
 
 
-def _kill_hook(kill_at: int, kill_rank: int, grad_accum: int) -> Any:
+def _kill_hook(kill_at: int, kill_rank: int, grad_accum: int, how: str) -> Any:
     calls = [0]
 
     def hook(module: nn.Module, args: Any) -> None:
@@ -30,7 +33,9 @@ def _kill_hook(kill_at: int, kill_rank: int, grad_accum: int) -> Any:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if first_attempt and int(os.environ.get("RANK", "0")) == kill_rank and \
                 calls[0] == kill_at * grad_accum + 1:
-            os.kill(os.getpid(), signal.SIGKILL)
+            if how == "hang":
+                threading.Event().wait()
+            os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
 
     return hook
 
@@ -43,9 +48,10 @@ def make_task(config: TrainConfig) -> Task:
     inputs = torch.randn(SAMPLES, 8, generator=generator)
     targets = torch.sin(inputs[:, :4] * 2)
     model = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, 4))
-    if "kill_at" in options:
-        kill_rank = int(options.get("kill_rank", "1"))
-        model.register_forward_pre_hook(_kill_hook(int(options["kill_at"]), kill_rank, config.grad_accum))
+    for how in ("kill", "hang", "stop"):
+        if f"{how}_at" in options:
+            model.register_forward_pre_hook(_kill_hook(int(options[f"{how}_at"]), int(options.get("kill_rank", "1")),
+                                                       config.grad_accum, how))
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.mse_loss(output.float(), target) * loss_mult

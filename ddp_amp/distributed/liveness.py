@@ -1,0 +1,227 @@
+"""Which ranks are alive and making progress: a heartbeat per rank in the group's store.
+
+Each rank's watch thread (`watch.PeerWatch`) writes this rank's heartbeat every poll: a
+count that changes each time, the last step the training loop finished (`Progress.step`,
+an int the loop sets once per step and the thread reads: the loop itself never touches
+the store), whether this rank's last collective failed, and what identifies its process.
+
+A peer has *gone silent* when
+- it runs on this machine (same boot and pid namespace) and its process is gone, a
+  zombie, or its pid now belongs to a newer process: known at the next poll;
+- or its heartbeat has not changed for `SILENCE_S`: a process killed on another node, a
+  node lost, a process stopped (SIGSTOP).
+A peer has *stopped making progress* when this rank's collective timed out and the peer
+is alive (its heartbeat goes on) but no collective of its own failed: it never joined.
+A rank that finished its run says so in its last heartbeat (DONE) before it exits: the
+ranks still finishing do not take its end for silence.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+# A heartbeat unchanged this long means its process is gone. Well above any pause of a
+# live process's watch thread (it needs the GIL for a moment every poll), well under the
+# 30 s a launcher waits between its SIGTERM and its SIGKILL.
+SILENCE_S = 10.0
+BEAT_KEY = "ddp_amp/beat/"
+RUNNING, FAILED, DONE = "r", "f", "d"
+
+# Words of a collective that failed because a peer's connection ended, or timed out
+# (gloo: "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer", "Connection reset
+# by peer", "[.../unbound_buffer.cc:81] Timed out waiting 30000ms for recv operation";
+# NCCL: "Watchdog caught collective operation timeout").
+_BACKEND_WORDS = ("gloo", "nccl")
+_LOST_WORDS = ("connection closed by peer", "connection reset by peer", "broken pipe")
+_TIMEOUT_WORDS = ("timed out", "timeout")
+
+
+class Progress:
+    """What the training loop has done, for the watch thread: plain attributes, no locks.
+
+    `step`: the last step this rank finished (None before its first); `checkpoint`: the
+    newest committed checkpoint of the run, as a path (None before the first).
+    """
+
+    __slots__ = ("step", "checkpoint")
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.checkpoint: str | None = None
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One heartbeat: `count` changes every poll; the rest says where the rank is."""
+
+    count: int
+    step: int | None
+    state: str  # RUNNING, FAILED (its last collective failed: a peer lost, a timeout) or DONE
+    pid: int
+    started: str  # the process's start time, in clock ticks since boot ("" where unknown)
+    machine: str  # boot id and pid namespace: pids compare only within one ("" where unknown)
+
+    def encode(self) -> str:
+        step = "-" if self.step is None else str(self.step)
+        return f"{self.count} {step} {self.state} {self.pid} {self.started or '-'} {self.machine or '-'}"
+
+    @staticmethod
+    def decode(raw: bytes) -> Beat | None:
+        parts = raw.decode(errors="replace").split(" ")
+        if len(parts) != 6:
+            return None
+        count, step, state, pid, started, machine = parts
+        return Beat(int(count), None if step == "-" else int(step), state, int(pid),
+                    "" if started == "-" else started, "" if machine == "-" else machine)
+
+
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat after the command name: [state, ppid, ...]; None where unreadable."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def this_machine() -> str:
+    """Boot id and pid namespace of this process: equal for processes whose pids compare."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+def own_beat(count: int, step: int | None, state: str, machine: str) -> Beat:
+    fields = _stat_fields("self")
+    return Beat(count, step, state, os.getpid(), fields[19] if fields else "", machine)
+
+
+def process_gone(beat: Beat, machine: str) -> bool:
+    """True where `beat`'s process ran on this machine and no longer runs (exited, a zombie,
+    or its pid reused); False where it runs or cannot be told from here."""
+    if not machine or beat.machine != machine or not beat.started:
+        return False
+    fields = _stat_fields(beat.pid)
+    return fields is None or fields[0] in ("Z", "X") or fields[19] != beat.started
+
+
+def publish_beat(store: dist.Store, rank: int, beat: Beat) -> None:
+    store.set(f"{BEAT_KEY}{rank}", beat.encode())
+
+
+def read_beats(store: dist.Store, ranks: list[int]) -> dict[int, Beat]:
+    """The heartbeats of `ranks` written so far (a rank not yet started has none)."""
+    keys = [f"{BEAT_KEY}{rank}" for rank in ranks]
+    if not store.check(keys):  # only until every rank has started: a missing key would block a get
+        present = [(rank, key) for rank, key in zip(ranks, keys) if store.check([key])]
+        ranks, keys = [rank for rank, _ in present], [key for _, key in present]
+    if not keys:
+        return {}
+    beats = {rank: Beat.decode(raw) for rank, raw in zip(ranks, store.multi_get(keys))}
+    return {rank: beat for rank, beat in beats.items() if beat is not None}
+
+
+class PeerTracker:
+    """The peers' heartbeats as this rank saw them, and since when each has not changed."""
+
+    def __init__(self, rank: int, world_size: int, now: float, silence_s: float = SILENCE_S) -> None:
+        self.peers = [r for r in range(world_size) if r != rank]
+        self.silence_s = silence_s
+        self.machine = this_machine()
+        self.beats: dict[int, Beat] = {}
+        self.changed = dict.fromkeys(self.peers, now)  # a peer never seen counts from the start
+
+    def update(self, beats: dict[int, Beat], now: float) -> None:
+        for rank, beat in beats.items():
+            if self.beats.get(rank) != beat:
+                self.beats[rank], self.changed[rank] = beat, now
+
+    def gone(self, now: float) -> list[int]:
+        """The peers whose process ended (this machine) or whose heartbeat stopped, unless
+        they said they were done (a rank that finished its run exits before the others)."""
+        return [r for r in self.peers if self._state(r) != DONE and (
+            now - self.changed[r] > self.silence_s
+            or (r in self.beats and process_gone(self.beats[r], self.machine)))]
+
+    def not_joined(self, now: float) -> list[int]:
+        """The live peers still running whose collectives did not fail: they never joined
+        the one that failed here."""
+        gone = set(self.gone(now))
+        return [r for r in self.peers if r not in gone and self._state(r) == RUNNING]
+
+    def _state(self, rank: int) -> str | None:
+        beat = self.beats.get(rank)
+        return beat.state if beat is not None else None
+
+    def step(self, rank: int) -> int | None:
+        beat = self.beats.get(rank)
+        return beat.step if beat is not None else None
+
+
+def collective_failure(error: BaseException) -> str | None:
+    """'lost' for a collective that failed because a peer's connection ended, 'timeout' for
+    one that timed out, None for any other error (a data loader's own timeout included)."""
+    text = str(error).lower()
+    if not isinstance(error, dist.DistError) and not (
+            isinstance(error, RuntimeError) and any(words in text for words in _BACKEND_WORDS)):
+        return None
+    if any(words in text for words in _LOST_WORDS):
+        return "lost"
+    if any(words in text for words in _TIMEOUT_WORDS):
+        return "timeout"
+    return None
+
+
+def rank_list(ranks: Iterable[int]) -> str:
+    """'rank 3', 'ranks 0-2, 5': contiguous ranks as ranges."""
+    ordered = sorted(set(ranks))
+    spans: list[str] = []
+    start = previous = ordered[0]
+    for rank in [*ordered[1:], None]:
+        if rank is not None and rank == previous + 1:
+            previous = rank
+            continue
+        spans.append(str(start) if start == previous else f"{start}-{previous}")
+        if rank is not None:
+            start = previous = rank
+    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(spans)
+
+
+def steps_of(ranks: Iterable[int], steps: dict[int, int | None]) -> str:
+    """'step 12', or 'steps 12 (ranks 0-2), 11 (rank 3)' newest first; 'no step yet' for a
+    rank that had finished none."""
+    by_step: dict[int, list[int]] = {}
+    for rank in ranks:
+        step = steps.get(rank)
+        by_step.setdefault(-1 if step is None else step, []).append(rank)
+    if len(by_step) == 1:
+        step = next(iter(by_step))
+        return "no step yet" if step < 0 else f"step {step}"
+    return "steps " + ", ".join(f"{'none yet' if step < 0 else step} ({rank_list(group)})"
+                                for step, group in sorted(by_step.items(), reverse=True))
+
+
+def silent_line(gone: list[int], stalled: list[int], steps: dict[int, int | None]) -> str:
+    """The one line that names the silent ranks, the last step of every rank, and the causes.
+
+    `steps`: every rank's last step as this rank knows it (a peer's as of its last heartbeat).
+    """
+    parts = []
+    if gone:
+        parts.append(f"{rank_list(gone)} went silent (last heard at {steps_of(gone, steps)}): "
+                     f"{'its process' if len(gone) == 1 else 'their processes'} ended or stopped without an "
+                     "error of its own (killed, e.g. by the OOM killer or kill -9, or its node was lost)")
+    if stalled:
+        parts.append(f"{rank_list(stalled)} made no progress since {steps_of(stalled, steps)}: alive, but never "
+                     "joined the collective that timed out (--dist-timeout) on the others (a hang in its own "
+                     "code or I/O: data loading, a file system, a deadlock)")
+    others = [rank for rank in steps if rank not in gone and rank not in stalled]
+    if others:
+        parts.append(f"the other ranks reached {steps_of(others, steps)}")
+    return "ddp_amp: " + "; ".join(parts)

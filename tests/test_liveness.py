@@ -1,0 +1,225 @@
+"""A job whose launcher died stops, and a silent rank is named: real torchrun, real workers.
+
+- torchrun SIGKILLed: its workers stop within seconds with one line, the run lock goes
+  with them, and a rerun resumes from the checkpoint that line names;
+- a rank SIGKILLed (the OOM killer's way), or hung in its own code: the job's output has
+  one line naming it and every rank's last step, instead of gloo's words.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ddp_amp.checkpoint import verify_checkpoint
+from ddp_amp.checkpoint.discovery import checkpoint_root, list_step_dirs
+from ddp_amp.distributed import PeerWatch, Progress
+from ddp_amp.distributed.liveness import SILENCE_S, rank_list, silent_line
+from tests.multiproc import REPO_ROOT, child_pids, cli_env, is_running, run_ranks, run_train
+from tests.resume_harness import TASK
+
+MLP = ["--task", "mlp", "--device", "cpu", "--batch-size", "8", "--eval-every", "0", "--task-opt", "hidden=16",
+       "--task-opt", "samples=256", "--log-every", "1000"]
+CKPT = ["--task", TASK, "--batch-size", "8", "--device", "cpu", "--log-every", "1000", "--max-steps", "100000"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+class Output:
+    """A process's merged output, read as it comes, each line with the time it arrived."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._reader.start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # ends when every writer (torchrun and its workers) closed it
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait_closed(self, timeout: float) -> None:
+        self._reader.join(timeout)
+        assert not self._reader.is_alive(), "the output stayed open: a worker still runs"
+
+    def first(self, pattern: str, timeout: float = 120) -> tuple[float, str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [(at, line) for at, line in list(self.lines) if re.search(pattern, line)]
+            if found:
+                return found[0]
+            time.sleep(0.05)
+        raise AssertionError(f"never saw {pattern!r}:\n" + self.text()[-3000:])
+
+    def ours(self) -> list[str]:
+        return [line for _, line in self.lines if line.startswith("ddp_amp: ")]
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+
+def _start(command: list[str]) -> tuple[subprocess.Popen[str], Output]:
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(),
+                            cwd=REPO_ROOT)
+    return proc, Output(proc)
+
+
+def _wait_gone(pids: list[int], deadline: float, output: Output | None = None) -> None:
+    while any(is_running(pid) for pid in pids):
+        assert time.monotonic() < deadline, (f"workers {pids} still ran 30 s after torchrun was killed: "
+                                             + " ".join(Path(f"/proc/{pid}/stat").read_text() for pid in pids
+                                                        if is_running(pid)) + (output.text()[-3000:] if output else ""))
+        time.sleep(0.05)
+
+
+def test_workers_of_a_killed_torchrun_stop_within_seconds_and_a_rerun_resumes(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [*MLP, "--max-steps", "100000", "--ckpt-every", "50", "--run-dir", str(run_dir)]
+    torchrun, output = _start([*TORCHRUN, "--max-restarts=3", "-m", "ddp_amp.train", *args])
+    try:
+        output.first(r"saved checkpoint .*step-00000100")
+        workers = child_pids(torchrun.pid)
+        assert len(workers) == 2, workers
+        torchrun.kill()
+        killed = time.monotonic()
+        torchrun.wait(10)
+        _wait_gone(workers, killed + 30, output)
+        stopped_after = time.monotonic() - killed
+        output.wait_closed(10)
+    finally:
+        torchrun.kill()
+    ours = output.ours()
+    assert len(ours) == 1, output.text()[-3000:]
+    line = ours[0]
+    assert line.startswith(f"ddp_amp: rank 0: the launcher (torchrun, pid {torchrun.pid}) is gone; stopping at step ")
+    stopped_at = int(re.search(r"stopping at step (\d+)", line)[1])  # type: ignore[index]
+    named = Path(re.search(r"; checkpoint (\S+) is committed \(--resume auto continues from the newest\)$",
+                           line)[1])  # type: ignore[index]
+    verify_checkpoint(named)
+    # The newest whole one (a write the kill cut short is ignored): the named one, or the one
+    # after it where the kill came between its commit and the trainer learning of it.
+    step, newest = list_step_dirs(checkpoint_root(run_dir))[-1]
+    assert 100 <= step <= stopped_at and newest in (named, named.parent / f"step-{step:08d}"), (line, newest)
+    assert int(named.name.split("-")[1]) >= step - 50, (line, newest)
+    # No storm of store warnings: a store call under way as the launcher died may log one.
+    assert output.text().count("[c10d]") <= 4, output.text()[-3000:]
+    # The lock went with rank 0's process: the rerun takes the directory and resumes there.
+    rerun = run_train([*args[:args.index("--max-steps")], "--max-steps", str(step + 10), "--ckpt-every", "50",
+                       "--run-dir", str(run_dir), "--resume", "auto"], nproc=2)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"start: resume from {newest}" in rerun.stdout, rerun.stdout
+    print(f"workers stopped {stopped_after:.2f} s after torchrun was killed")
+
+
+def test_workers_of_a_torchrun_killed_while_they_start_stop_too(tmp_path: Path) -> None:
+    """Killed before its workers reach the store: their connect would retry for --dist-timeout."""
+    torchrun, output = _start([*TORCHRUN, "-m", "ddp_amp.train", *MLP, "--max-steps", "100000", "--run-dir",
+                               str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 30
+        while len(workers := child_pids(torchrun.pid)) < 2:
+            assert time.monotonic() < deadline, "torchrun started no workers"
+            time.sleep(0.05)
+        torchrun.kill()
+        killed = time.monotonic()
+        output.wait_closed(30)
+        stopped_after = time.monotonic() - killed
+    finally:
+        torchrun.kill()
+    # Their output closes as they exit, a moment before they are gone.
+    _wait_gone(workers, killed + 30)
+    # Killed while the workers import torch, as a rule; else the watch saw it, as above.
+    assert len(output.ours()) == 1 and re.search(r"the launcher is gone|the launcher \(torchrun, pid \d+\) is gone",
+                                                 output.ours()[0]), output.text()[-3000:]
+    print(f"workers stopped {stopped_after:.2f} s after torchrun was killed: {output.ours()[0][:60]}")
+
+
+def test_a_rank_killed_with_sigkill_is_named_in_one_line(tmp_path: Path) -> None:
+    proc, output = _start([*TORCHRUN, "-m", "ddp_amp.train", *CKPT, "--run-dir", str(tmp_path), "--task-opt",
+                           "kill_at=200", "--task-opt", "kill_rank=1"])
+    started, _ = output.first(" start: fresh run")
+    named, line = output.first("^ddp_amp: ")
+    assert proc.wait(60) != 0
+    output.wait_closed(10)
+    assert output.ours() == [line], output.text()[-3000:]
+    heard = re.fullmatch(r"ddp_amp: rank 1 went silent \(last heard at (step \d+|no step yet)\): its process ended "
+                         r"or stopped without an error of its own \(killed, e\.g\. by the OOM killer or kill -9, or its node was "
+                         r"lost\); the other ranks reached step 200", line)
+    assert heard is not None, line
+    assert heard[1] == "no step yet" or int(heard[1].split()[1]) <= 200
+    assert "GLHF" not in output.text() and "Connection closed" not in output.text(), output.text()[-3000:]
+    # On the same machine its end is seen at once (its pid), not after SILENCE_S of no heartbeat.
+    assert named - started < SILENCE_S, named - started
+    # torchrun's summary names the killed rank as the root cause, not the survivor that ended.
+    root_cause = output.text().split("Root Cause (first observed failure):")[1]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9", root_cause), root_cause
+    print(f"named {named - started:.2f} s after the start line")
+
+
+def test_a_rank_that_stops_answering_is_named_once_its_heartbeat_is_silent(tmp_path: Path) -> None:
+    """SIGSTOP: the process is there, its heartbeat is not; as a rank on a lost node looks."""
+    proc, output = _start([*TORCHRUN, "-m", "ddp_amp.train", *CKPT, "--run-dir", str(tmp_path), "--task-opt",
+                           "stop_at=20", "--task-opt", "kill_rank=1", "--dist-timeout", "120"])
+    try:
+        started, _ = output.first(" start: fresh run")
+        named, line = output.first("^ddp_amp: ")
+    finally:
+        for pid in child_pids(proc.pid):  # the stopped rank; torchrun would wait 30 s for it
+            os.kill(pid, signal.SIGKILL)
+    assert proc.wait(60) != 0
+    output.wait_closed(10)
+    assert output.ours() == [line], output.text()[-3000:]
+    assert line.startswith("ddp_amp: rank 1 went silent (last heard at ") and "the other ranks reached step 20" in line
+    # Its last heartbeat may come a poll (0.5 s) before the start line; silent from step 20 on.
+    assert SILENCE_S - 1 < named - started < SILENCE_S + 10, named - started
+    print(f"named {named - started:.2f} s after the start line (silence {SILENCE_S} s)")
+
+
+def test_a_rank_hung_in_its_own_code_is_named_within_the_dist_timeout(tmp_path: Path) -> None:
+    timeout = 5
+    proc, output = _start([*TORCHRUN, "-m", "ddp_amp.train", *CKPT, "--run-dir", str(tmp_path), "--task-opt",
+                           "hang_at=20", "--task-opt", "kill_rank=1", "--dist-timeout", str(timeout)])
+    started, _ = output.first(" start: fresh run")
+    named, line = output.first("^ddp_amp: ")
+    assert proc.wait(60) != 0
+    output.wait_closed(10)
+    assert output.ours() == [line], output.text()[-3000:]
+    assert line == ("ddp_amp: rank 1 made no progress since step 20: alive, but never joined the collective that "
+                    "timed out (--dist-timeout) on the others (a hang in its own code or I/O: data loading, a file "
+                    "system, a deadlock); the other ranks reached step 20")
+    assert "Timed out waiting" not in output.text(), output.text()[-3000:]
+    # 20 steps take well under a second; then gloo's timeout, and the others get 2 s to say theirs.
+    assert named - started < timeout + 5, named - started
+    print(f"named {named - started:.2f} s after the start line (--dist-timeout {timeout})")
+
+
+def _finish_apart(ctx: object, rank_delay: float) -> float:
+    """Rank 1 ends its watch and returns at once; rank 0 goes on longer than the silence."""
+    from ddp_amp.distributed import DistContext
+
+    assert isinstance(ctx, DistContext)
+    watch = PeerWatch(ctx.store, ctx.env, Progress(), interval_s=0.1, silence_s=0.5).start()
+    time.sleep(0.5)
+    if ctx.rank == 0:
+        time.sleep(rank_delay)  # rank 1's process has ended by now: a killed one would be named
+    watch.stop()
+    return time.monotonic()
+
+
+def test_a_rank_that_finished_is_not_silent_for_the_others_still_finishing() -> None:
+    ends = run_ranks(_finish_apart, 2, 2.0)
+    assert ends[0] - ends[1] > 1.5  # rank 0 outlived rank 1 and was not stopped
+
+
+def test_the_line_lists_ranks_and_steps_compactly() -> None:
+    assert rank_list([7, 0, 1, 2, 5]) == "ranks 0-2, 5, 7"
+    steps = {0: 12, 1: 12, 2: 12, 3: 11, 4: None, 5: 12}
+    line = silent_line([3, 4], [], steps)
+    assert line.startswith("ddp_amp: ranks 3-4 went silent (last heard at steps 11 (rank 3), none yet (rank 4)): "
+                           "their processes ended")
+    assert line.endswith("; the other ranks reached step 12")
