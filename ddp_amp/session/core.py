@@ -124,9 +124,8 @@ class Session:
             self.close()
 
     def explain(self, error: BaseException, show_error: bool = False) -> None:
-        """After a collective of this rank failed: where a peer was killed or hangs, or the
-        launcher is gone, the failure watch names it in one line for the job and ends this
-        process; otherwise this returns and the error is the caller's to report."""
+        """After a collective failed: a peer killed or hung, or a launcher gone, is named in one
+        line for the job and this process ends (the watch); otherwise this returns."""
         if self._watch is not None:
             self._watch.explain(error, show_error=show_error)
 
@@ -302,10 +301,9 @@ class Session:
     def check_sync(self, model: nn.Module, step: int = 0) -> None:
         """Stop if the ranks no longer hold the same weights and scaler state (collective).
 
-        The Trainer's `--check-sync-every` guard: every rank gathers a fingerprint of the
-        model's parameters, the scaler's state and `step`; if any rank differs from rank 0,
-        every rank raises `TrainingHalted` naming the ranks and the parameters that differ.
-        Call it on every rank at the same point, e.g. every few hundred steps.
+        The Trainer's `--check-sync-every` guard: a fingerprint of the model's parameters, the
+        scaler's state and `step` is gathered; where any rank differs from rank 0, every rank
+        raises `TrainingHalted` naming the ranks and parameters. Call it on every rank alike.
         """
         named = [(name, p) for name, p in unwrap_model(model).named_parameters() if p.requires_grad]
         check_rank_sync(named, self.scaler, step)
@@ -323,11 +321,9 @@ class Session:
 
     def trackers(self, specs: Sequence[str], run_dir: str | os.PathLike[str], config: Mapping[str, Any] | None = None,
                  start_step: int = 0) -> Trackers:
-        """Experiment trackers (`"tensorboard"`, `"wandb"`, `"mlflow"`, `"package.module:function"`)
-        for the run in `run_dir`, as `--tracker` starts them: rank 0's log what `log(record, step)`
-        gets, the other ranks' do nothing; `start_step` > 0 continues the tracker runs recorded
-        in `run_dir` (a resume). Call `finish()` at the end (collective: a tracker that fails to
-        start raises on every rank)."""
+        """Experiment trackers for the run in `run_dir`, as `--tracker` starts them (rank 0's
+        log, the others' do nothing; `start_step` > 0 continues the runs `run_dir` recorded).
+        Collective: one that fails to start raises on every rank. Call `finish()` at the end."""
         self.ctx  # noqa: B018 - raises when not started
         return start_trackers_on_rank_zero(list(specs), Path(run_dir), dict(config or {}), start_step, log.warning)
 
