@@ -30,7 +30,7 @@ _STARTUP = EarlySignals((signal.SIGUSR1, signal.SIGTERM)) if __name__ == "__main
 from ddp_amp.checkpoint import checkpoint_root, ensure_writable
 from ddp_amp.command_line import config_toml, parse_command_line
 from ddp_amp.config import TrainConfig
-from ddp_amp.distributed import agreed_origin, on_every_rank, publish_failure, published_failure
+from ddp_amp.distributed import agreed_origin, on_every_rank, publish_failure
 from ddp_amp.env import detect_env
 from ddp_amp.errors import CheckpointError, TrainingHalted, UsageError
 from ddp_amp.guards import exit_code_for
@@ -151,9 +151,10 @@ def _report(error: Exception, session: Session, debug: bool) -> int:
     """Print a failure once for the whole job; the exit code for it.
 
     An error every rank raised together (an agreed one, or a safety stop) is printed by rank
-    0. An error of this rank alone is published for the peers, whose watch then ends them,
-    and printed here, unless another rank's failure was published first: then this one is
-    its consequence (a peer vanished mid-collective) and the message was already shown.
+    0. Any other is published for the peers, whose watch then ends them, and printed here,
+    unless another rank's failure was published first: then it is the same refusal raised on
+    several ranks, or this one is its consequence (a peer vanished mid-collective), and the
+    line was shown there.
     A collective that failed because a peer was killed or hung, or the launcher is gone, is
     the watch's to explain: it says so in one line for the job and ends the process.
     """
@@ -167,14 +168,12 @@ def _report(error: Exception, session: Session, debug: bool) -> int:
             print(_failure_line(error, origin), file=sys.stderr, flush=True)
         return code
     session.explain(error, show_error=debug)  # returns where no peer went silent and the launcher is there
-    earlier = published_failure(ctx.store)
-    if earlier is not None and earlier.get("rank") != ctx.rank and not debug:
-        return code  # a consequence of a peer's failure, whose message was shown
     line = _failure_line(error, ctx.rank)
-    publish_failure(ctx.store, ctx.rank, line)
+    first = publish_failure(ctx.store, ctx.rank, line)  # the peers' watches end them; one rank prints
     if debug:
         raise error
-    print(line, file=sys.stderr, flush=True)
+    if first:
+        print(line, file=sys.stderr, flush=True)
     return code
 
 

@@ -39,3 +39,15 @@ def test_one_rank_fails_and_every_rank_stops_within_seconds_with_one_message(
     ours = [text for text in output.splitlines() if text.startswith("ddp_amp: ")]
     assert len(ours) == 1 and ours[0].startswith(line), output[-3000:]
     assert f"exitcode: {code}" in result.stderr  # torchrun reports the failing rank's own code
+
+
+@pytest.mark.parametrize("refused, line", [
+    # refused where the run core starts (its precision), on every rank alike
+    (["--precision", "fp8"], "ddp_amp: error: --precision='fp8': expected a GPU with float8 matmuls"),
+    # refused while the Trainer is built, on every rank alike, after the group formed
+    (["--memory-snapshot"], "ddp_amp: error: --memory-snapshot=True: expected a CUDA device"),
+])
+def test_a_refusal_every_rank_makes_is_printed_once(tmp_path: Path, refused: list[str], line: str) -> None:
+    result = run_train([*FAILING, *refused, "--run-dir", str(tmp_path / "run")], nproc=2, timeout=120)
+    ours = [text for text in (result.stdout + result.stderr).splitlines() if text.startswith("ddp_amp: ")]
+    assert result.returncode != 0 and len(ours) == 1 and ours[0].startswith(line), result.stderr[-3000:]

@@ -4,7 +4,8 @@ A rank that fails alone (its task code raised, it ran out of memory) leaves its 
 blocked in their next collective: gloo notices a vanished peer, NCCL waits until its
 timeout (`--dist-timeout`, 600 s by default). So:
 - the failing rank publishes its message in the group's store (`publish_failure`) before
-  it exits, and prints it;
+  it exits, and prints it, unless another rank's failure was published first (ranks that
+  fail together print one line);
 - every rank runs a `watch.PeerWatch` while it trains: a thread that looks in the store
   twice a second and, once another rank's failure is there, ends this process at once
   (exit 1) without a message of its own, even while it is blocked in a collective;
@@ -29,14 +30,17 @@ FAILURE_KEY = "ddp_amp/failure"
 EXIT_PEER_FAILED = 1
 
 
-def publish_failure(store: dist.Store | None, rank: int, message: str) -> None:
-    """Record this rank's failure for its peers; never raises (the store may be gone)."""
+def publish_failure(store: dist.Store | None, rank: int, message: str) -> bool:
+    """Record this rank's failure for its peers unless another rank's is there already (ranks
+    that fail at once, over the same bad input say, race here: one wins). True where this
+    rank's is the job's failure, or nobody can be told (no store, or it is gone): then this
+    rank prints it. Never raises."""
     if store is None:
-        return
+        return True
     try:
-        store.set(FAILURE_KEY, json.dumps({"rank": rank, "message": message}))
+        return claim_failure(store, rank, message)
     except Exception:  # noqa: BLE001 - a dead store: the peers learn from the broken group
-        pass
+        return True
 
 
 def claim_failure(store: dist.Store, rank: int, message: str) -> bool:
