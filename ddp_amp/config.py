@@ -210,7 +210,7 @@ class TrainConfig:
             raise UsageError("--async-checkpoint", True, "--ckpt-every N with it (the saves it moves to the background)",
                              "the final checkpoint is always written before the run ends; add e.g. --ckpt-every 500")
         if self.shard:
-            for name in ("compile", "static_graph", "async_checkpoint"):
+            for name in ("compile", "static_graph"):
                 if getattr(self, name):
                     raise UsageError(flag_of(name), True, "an option that works with --shard",
                                      f"{flag_of(name)} is not supported with --shard yet; drop one of them")

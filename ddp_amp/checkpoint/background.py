@@ -33,6 +33,7 @@ import torch
 
 from ddp_amp.checkpoint.rng import gather_rng_states
 from ddp_amp.checkpoint.save import build_contents, commit_outcome, commit_to
+from ddp_amp.checkpoint.sharded import start_sharded_write
 from ddp_amp.checkpoint.staging import HostStaging
 from ddp_amp.distributed import on_rank_zero
 from ddp_amp.errors import CheckpointError
@@ -48,21 +49,32 @@ class FinishedWrite:
     write_s: float  # rank 0's time from the thread's start to the commit (or the failure)
 
 
+Outcome = tuple[str | None, CheckpointError | None]
+
+
 @dataclass
 class _Write:
-    """One write in flight: its target on every rank; its thread and outcome on rank 0 only."""
+    """One write in flight: its target on every rank; its thread (rank 0's, or every rank's
+    for a sharded save) and the outcome on rank 0."""
 
     target: Path
     thread: threading.Thread | None = None
-    outcome: tuple[str | None, CheckpointError | None] | None = None
+    outcome: Outcome | None = None
     error: BaseException | None = None
     seconds: float = 0.0
 
-    def run(self, commit: Callable[[dict[str, Any]], Path], contents: dict[str, Any]) -> None:
-        """The writer thread's body: commit, and keep whatever happened for `result`."""
+    def start(self, work: Callable[[], Outcome | None]) -> None:
+        """Run `work` (the write) in a thread of its own; not a daemon: the interpreter lets
+        it finish before exiting."""
+        self.thread = threading.Thread(target=self._run, args=(work,),
+                                       name=f"ddp_amp checkpoint writer ({self.target.name})")
+        self.thread.start()
+
+    def _run(self, work: Callable[[], Outcome | None]) -> None:
+        """The writer thread's body: keep whatever happened for `result`."""
         started = time.perf_counter()
         try:
-            self.outcome = commit_outcome(self.target, commit, contents)
+            self.outcome = work()
         except BaseException as error:  # noqa: BLE001 - raised on every rank where the outcome is learned
             self.error = error
         finally:
@@ -105,11 +117,29 @@ class BackgroundSaver:
 
         def stage() -> None:
             contents = build_contents(self._staging.copy(files), meta, rng_states, world_size)
-            write.thread = threading.Thread(target=write.run, args=(commit_to(target, keep_last), contents),
-                                            name=f"ddp_amp checkpoint writer ({target.name})")
-            write.thread.start()  # not a daemon: the interpreter lets it finish before exiting
+            write.start(lambda: commit_outcome(target, commit_to(target, keep_last), contents))
 
         on_rank_zero(stage)
+        self._write = write
+
+    def start_sharded(self, target: Path, files: dict[str, Any], meta: dict[str, Any], sharded: dict[str, Any],
+                      device: torch.device, world_size: int, keep_last: int, group: Any) -> None:
+        """Start a sharded checkpoint (`sharded.save_sharded`'s) in the background (collective):
+        every rank's shards go through torch.distributed.checkpoint's async save on `group` (a
+        process group of the saves' own: the training's collectives go on meanwhile), and
+        every rank's writer thread reports its files; rank 0's commits once all are whole."""
+        if self._write is not None:
+            raise RuntimeError(f"checkpoint {self._write.target} is still being written: wait() first")
+        rng_states = gather_rng_states(device)
+        write = _Write(target)
+        staged: dict[str, Any] = {}  # rank 0's files, copied off the live state
+
+        def stage() -> None:
+            staged.update(build_contents(self._staging.copy(files), meta, rng_states, world_size))
+
+        on_rank_zero(stage)  # a value that would not load back is refused on every rank, as above
+        work = start_sharded_write(target, sharded, group, keep_last)
+        write.start(lambda: work(staged))
         self._write = write
 
     def wait(self) -> FinishedWrite | None:
@@ -117,6 +147,8 @@ class BackgroundSaver:
         write, self._write = self._write, None
         if write is None:
             return None
+        if write.thread is not None:  # a sharded save's writer runs on every rank: each its own first
+            write.thread.join()
         path, error, seconds = on_rank_zero(write.result)
         return FinishedWrite(write.target, Path(path) if path else None, error, seconds)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,30 @@ def _own_records(folder: Path, rank: int) -> dict[str, FileRecord]:
     return {f"{SHARDED_DIR}/{path.name}": record_of(path) for path in mine}
 
 
+Report = tuple[dict[str, FileRecord] | None, str]  # a rank's files and their records, or why it has none
+
+
+def _write_own(scratch: Path, rank: int, write: Callable[[], Any]) -> Report:
+    """`write()` this rank's shards into the scratch directory, then its report."""
+    try:
+        write()
+        return _own_records(scratch / SHARDED_DIR, rank), ""
+    except (OSError, dcp.CheckpointException) as error:
+        return None, f"rank {rank}: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+
+
+def _commit(target: Path, scratch: Path, reports: list[Report], contents: dict[str, Any],
+            keep_last: int) -> tuple[str | None, CheckpointError | None]:
+    """Rank 0: commit the scratch directory once every rank reported its shards whole."""
+    failed = [why for _, why in reports if why]
+    if failed:
+        shutil.rmtree(scratch, ignore_errors=True)
+        return None, write_failure(target, OSError(failed[0]))
+    fsync_dir(scratch / SHARDED_DIR)
+    written = {name: record for records, _ in reports for name, record in (records or {}).items()}
+    return commit_outcome(target, commit_to(target, keep_last, (scratch, written)), contents)
+
+
 def save_sharded(target: Path, files: dict[str, Any], meta: dict[str, Any], sharded: dict[str, Any],
                  device: torch.device, world_size: int, keep_last: int = 0) -> SaveResult:
     """Commit a checkpoint at `target` whose `sharded` state every rank writes its part of
@@ -50,25 +75,31 @@ def save_sharded(target: Path, files: dict[str, Any], meta: dict[str, Any], shar
     rng_states = gather_rng_states(device)
     scratch = Path(on_rank_zero(lambda: str(new_scratch(target))))
     rank = dist.get_rank()
-    try:
-        dcp.save(sharded, checkpoint_id=str(scratch / SHARDED_DIR))
-        report: tuple[dict[str, FileRecord] | None, str] = (_own_records(scratch / SHARDED_DIR, rank), "")
-    except (OSError, dcp.CheckpointException) as error:
-        report = (None, f"rank {rank}: {type(error).__name__}: {str(error).splitlines()[0][:300]}")
-    reports = all_gather_objects(report)
-
-    def commit() -> tuple[str | None, CheckpointError | None]:
-        failed = [why for _, why in reports if why]
-        if failed:
-            shutil.rmtree(scratch, ignore_errors=True)
-            return None, write_failure(target, OSError(failed[0]))
-        fsync_dir(scratch / SHARDED_DIR)
-        written = {name: record for records, _ in reports for name, record in (records or {}).items()}
-        contents = build_contents(files, meta, rng_states, world_size)
-        return commit_outcome(target, commit_to(target, keep_last, (scratch, written)), contents)
-
-    path, failure = on_rank_zero(commit)
+    reports = all_gather_objects(_write_own(scratch, rank, lambda: dcp.save(
+        sharded, checkpoint_id=str(scratch / SHARDED_DIR))))
+    path, failure = on_rank_zero(lambda: _commit(target, scratch, reports,
+                                                 build_contents(files, meta, rng_states, world_size), keep_last))
     return SaveResult(Path(path) if path else None, failure)
+
+
+def start_sharded_write(target: Path, sharded: dict[str, Any], group: Any, keep_last: int
+                        ) -> Callable[[dict[str, Any]], tuple[str | None, CheckpointError | None] | None]:
+    """Start writing `sharded` into a new scratch directory for `target` in the background
+    (collective): DCP's async save on `group`, a process group of the saves' own, since the
+    training's collectives go on in the meantime. Returns the writer thread's work, given
+    rank 0's other files: wait for this rank's shards, report them over `group`, and on rank 0
+    commit (its outcome; None elsewhere)."""
+    scratch = Path(on_rank_zero(lambda: str(new_scratch(target))))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    future = dcp.async_save(sharded, checkpoint_id=str(scratch / SHARDED_DIR), process_group=group)
+
+    def work(contents: dict[str, Any]) -> tuple[str | None, CheckpointError | None] | None:
+        report = _write_own(scratch, rank, future.result)
+        reports: list[Any] | None = [None] * world_size if rank == 0 else None
+        dist.gather_object(report, reports, dst=0, group=group)
+        return _commit(target, scratch, reports, contents, keep_last) if reports is not None else None
+
+    return work
 
 
 def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,8 @@ read and checked on every rank before anything is applied, then restored.
 Saving is collective: every rank calls it; per-rank entries are gathered, RNG states too,
 and rank 0 commits through `ddp_amp.checkpoint`'s protocol (temporary directory, fsync,
 manifest, atomic rename, retention after the commit). A background save returns once the
-state is copied to host memory; rank 0's writer thread commits it, one write in flight,
+state is copied to host memory; rank 0's writer thread commits it (every rank's writes its
+own shards of a sharded state first), one write in flight,
 and the outcome reaches every rank at the next save or `wait`. A failed write raises the
 same `CheckpointError` on every rank, wherever it is learned; older checkpoints stay.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
@@ -54,6 +56,14 @@ class SessionCheckpoints:
                  warn: Callable[[str], None]) -> None:
         self.ctx, self.precision, self.scaler, self.models, self.warn = ctx, precision, scaler, models, warn
         self._background = checkpoint.BackgroundSaver()
+        self._group: dist.ProcessGroup | None = None
+
+    def _save_group(self) -> dist.ProcessGroup:
+        """The process group background sharded saves talk over (made once, collective): one
+        of their own, on gloo, since training's collectives go on while they write."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
 
     @property
     def in_flight(self) -> Path | None:
@@ -78,8 +88,9 @@ class SessionCheckpoints:
                        "scaler_skipped_total": int(self.scaler.skipped_steps().item()), **listed, **meta}
         if sharded:
             if background:
-                raise UsageError("background", True, "a synchronous save of a sharded model",
-                                 "background saves of sharded state are not supported yet; save it synchronously")
+                self._background.start_sharded(target, files, description, dcp_form(state, sharded), self.ctx.device,
+                                               self.ctx.world_size, keep_last, self._save_group())
+                return None
             result = checkpoint.save_sharded(target, files, description, dcp_form(state, sharded), self.ctx.device,
                                              self.ctx.world_size, keep_last)
             if result.error is not None:
