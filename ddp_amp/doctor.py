@@ -1,6 +1,6 @@
 """`python -m ddp_amp.doctor`: what the launch environment resolved to, and what is wrong with it.
 
-    python -m ddp_amp.doctor                                  # this shell: launcher, device, precision
+    python -m ddp_amp.doctor                                  # this shell: launcher, device, precision, shard
     srun --ntasks-per-node=4 python -m ddp_amp.doctor --probe # every task, plus a timed all-reduce
     torchrun --nproc-per-node=2 -m ddp_amp.doctor --probe
 
@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import (DistContext, all_gather_objects, all_reduce_, init_distributed,
@@ -104,6 +105,18 @@ def signal_meanings(config: TrainConfig) -> str:
             f"{names(stop)}: checkpoint + stop, no requeue, exit 128+N (--stop-signal)")
 
 
+def shard_support(world_size: int) -> str:
+    """What `--shard` would do in this launch (FSDP2 ships with torch; background sharded
+    saves also need gloo, the CPU backend)."""
+    if world_size == 1:
+        spread = "one process: --shard runs, with nothing to shard over"
+    else:
+        spread = (f"each of {world_size} ranks holds 1/{world_size} of the parameters, gradients and optimizer "
+                  "state (FSDP2)")
+    gloo = "" if dist.is_gloo_available() else "; --async-checkpoint with it needs gloo, missing from this torch"
+    return f"available: {spread}{gloo}"
+
+
 def diagnose(environ: Mapping[str, str], device: str = "auto", backend: str = "auto"
              ) -> tuple[DistEnv | None, dict[str, Any], list[Finding]]:
     """Resolve the environment as `ddp_amp.train` would; (env, facts, findings). Pure of side effects."""
@@ -130,6 +143,7 @@ def diagnose(environ: Mapping[str, str], device: str = "auto", backend: str = "a
         facts["precision_fp8"] = "available" if why_no_fp8 is None else f"not available: {why_no_fp8}"
     except UsageError as error:
         findings.append(("error", f"device/backend: {error}"))
+    facts["shard"] = shard_support(env.world_size)
     if env.is_distributed:
         findings += check_master_addr(env) + check_port(env)
     elif environ.get("MASTER_PORT", "").isdigit():  # a port picked for a launch still to come

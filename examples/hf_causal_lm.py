@@ -116,6 +116,7 @@ def make_task(config: TrainConfig) -> Task:
         import transformers  # noqa: F401
     except ImportError:
         raise UsageError("--task", SPEC, "the transformers package installed", "pip install 'ddp_amp[hf]'") from None
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     words = tokenize(corpus_text())
     if opts["tokens"]:
         words = words[:opts["tokens"]]
@@ -139,6 +140,9 @@ def make_task(config: TrainConfig) -> Task:
             optimizer, T_max=config.max_steps),
         default_lr=3e-3,  # AdamW (the trainer's default optimizer), unless --lr is given
         tokens_per_sample=seq,
+        # --shard: each decoder layer is a unit (its parameters gathered just for it), the
+        # embeddings, final norm and tied head are in the root's.
+        shard_units=(LlamaDecoderLayer,),
         name="hf_causal_lm",
     )
 

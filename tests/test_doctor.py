@@ -30,6 +30,7 @@ def test_single_process_reports_launcher_device_and_auto_precision() -> None:
     if expected_device == "cpu":  # a CPU has no float8 matmuls: the doctor says so, and why
         assert facts["precision_fp8"].startswith("not available:")
         assert "8.9" in facts["precision_fp8"] or "torchao" in facts["precision_fp8"]
+    assert facts["shard"] == "available: one process: --shard runs, with nothing to shard over"
     assert not _levels(findings, "error")
 
 
@@ -68,6 +69,7 @@ def test_probe_under_torchrun_reports_latency_and_bandwidth() -> None:
     assert result.returncode == 0, result.stderr
     assert "ddp_amp doctor rank 1:" in result.stdout and "launcher          torchrun" in result.stdout
     assert "probe: all-reduce over 2 ranks (gloo): latency" in result.stdout, result.stdout
+    assert "shard             available: each of 2 ranks holds 1/2 of the parameters" in result.stdout
 
 
 def test_on_slurm_the_batch_shell_is_flagged_and_srun_tasks_probe(slurm_cluster: Cluster, tmp_path: Path) -> None:

@@ -99,3 +99,25 @@ def test_without_an_eval_fn_the_models_own_loss_is_evaluated_exactly_over_ranks(
     refused = run_train([*args[:-1], "eval_ppl", "--run-dir", str(tmp_path / "refused")])
     assert refused.returncode == 2 and not (tmp_path / "refused").exists()
     assert "--keep-best='eval_ppl': expected a metric the task's evaluation reports (eval_loss)" in refused.stderr
+
+
+def test_hf_causal_lm_shards_by_decoder_layer_with_activation_checkpointing_as_ddp_trains(tmp_path: Path) -> None:
+    """--shard on the transformers model: its decoder layers are the units (Task.shard_units),
+    recomputed in backward, and 2 ranks train as replicated 2 ranks do (fp32: the same sums
+    in another order)."""
+    args = [*ARGS[:ARGS.index("--max-steps")], "--max-steps", "12", "--eval-every", "0", "--log-every", "1",
+            *ARGS[ARGS.index("--task-opt"):], "--precision", "fp32", "--ckpt-every", "0"]
+    flags = {"replicated": [], "sharded": ["--shard", "--activation-checkpointing"]}
+    with ThreadPoolExecutor(2) as pool:
+        results = dict(zip(flags, pool.map(
+            lambda name: run_train([*args, *flags[name], "--run-dir", str(tmp_path / name)], nproc=2), flags)))
+    losses = {}
+    for name, result in results.items():
+        assert result.returncode == 0, result.stderr[-3000:]
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r["loss"] for r in records if "loss" in r and "step" in r]
+    assert "model=sharded: 1 x LlamaDecoderLayer and the model as the root (activation checkpointing per unit)" \
+        in results["sharded"].stdout
+    assert len(losses["sharded"]) == 12 and losses["sharded"] == pytest.approx(losses["replicated"], rel=1e-5)
+    final = tmp_path / "sharded" / "checkpoints" / "step-00000012" / "meta.json"
+    assert json.loads(final.read_text())["sharded"] == ["model", "optimizer"]

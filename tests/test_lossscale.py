@@ -11,13 +11,12 @@ import torch
 
 from ddp_amp.config import TrainConfig
 from ddp_amp.command_line import parse_command_line
-from ddp_amp.distributed import init_distributed
-from ddp_amp.env import detect_env
 from ddp_amp.errors import TrainingHalted, UsageError
 from ddp_amp.amp import LossScaleOptions, next_scale
 from ddp_amp.guards import LossScaleGuard
 from ddp_amp.amp import AgreedGradScaler
 from ddp_amp.train import train
+from ddp_amp.trainer import session_for
 from tests.multiproc import run_train
 
 
@@ -104,7 +103,8 @@ def test_scale_at_floor_with_overflows_stops_one_process(tmp_path: Path) -> None
     config = _one_process(tmp_path, precision="fp16", loss_scale_init=4.0, loss_scale_min=1.0,
                           task_opt=("poison=0.weight", "from_step=2"))
     with pytest.raises(TrainingHalted, match=r"floor 1 .*--precision bf16"):
-        train(config, init_distributed(detect_env({}), device="cpu"))
+        with session_for(config) as session:
+            train(config, session)
     events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     overflows = [e for e in events if e.get("event") == "overflow"]
     # 4 -> 2 -> 1 (floor), then overflows at the floor from step 4 on; the counters are read
@@ -118,7 +118,8 @@ def test_scale_at_floor_with_overflows_stops_one_process(tmp_path: Path) -> None
 def test_nonfinite_loss_stops_fp32_at_the_next_log_step(tmp_path: Path) -> None:
     config = _one_process(tmp_path, precision="fp32", task_opt=("poison=loss", "from_step=7"))
     with pytest.raises(TrainingHalted, match=r"loss is nan at step 10"):
-        train(config, init_distributed(detect_env({}), device="cpu"))
+        with session_for(config) as session:
+            train(config, session)
 
 
 def test_two_ranks_fp16_stop_and_name_the_rank_with_bad_local_gradients(tmp_path: Path) -> None:

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.distributed import DistContext, init_distributed
-from ddp_amp.env import detect_env
+from ddp_amp.distributed import DistContext
 from ddp_amp.metrics import QuietRunLog, RunLog
 from ddp_amp.train import train
+from ddp_amp.trainer import session_for
 from tests.multiproc import REPO_ROOT, cli_env, run_ranks
 
 
@@ -151,7 +151,8 @@ def test_a_restarted_run_replaces_its_metrics_instead_of_appending_twice(tmp_pat
                          eval_every=5, resume="none", archive_checkpoints=True, device="cpu", precision="fp32",
                          run_dir=str(tmp_path))
     for _ in range(2):  # a rerun that starts again from step 0
-        train(config, init_distributed(detect_env({}), device="cpu"))
+        with session_for(config) as session:
+            train(config, session)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert _steps(tmp_path / "metrics.jsonl") == [0, 5, 5, 10, 10]  # evals at 0, 5, 10; logs at 5, 10
     assert sum("summary" in r for r in records) == 1

@@ -47,7 +47,7 @@ def _export(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
     return load_file(out)
 
 
-def test_a_sharded_run_checkpoints_resumes_bitwise_and_on_4_and_1_ranks_and_exports(tmp_path: Path) -> None:
+def test_a_sharded_run_checkpoints_resumes_bitwise_and_on_4_2_and_1_ranks_and_exports(tmp_path: Path) -> None:
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     # step 3 is written in the background (every rank its shards), the final step 6 synchronously
     first = run_train([*LM, "--shard", "--max-steps", "6", "--ckpt-every", "3", "--async-checkpoint",
@@ -59,6 +59,8 @@ def test_a_sharded_run_checkpoints_resumes_bitwise_and_on_4_and_1_ranks_and_expo
     on_disk = {str(p.relative_to(step3)) for p in step3.rglob("*") if p.is_file()} - {"manifest.json"}
     assert listed == on_disk and {"sharded/__0_0.distcp", "sharded/__1_0.distcp", "sharded/.metadata"} <= listed
     assert json.loads((step3 / "meta.json").read_text())["sharded"] == ["model", "optimizer"]
+    recorded = json.loads((straight / "config.json").read_text())
+    assert recorded["config"]["shard"] is True and recorded["model"].startswith("sharded: 2 x TransformerEncoderLayer")
 
     # Bitwise: from step 3 to 6 in another run, the same weights as the straight run's.
     again = run_train([*LM, "--shard", "--max-steps", "6", "--resume", str(step3), "--run-dir", str(resumed)],
@@ -69,8 +71,9 @@ def test_a_sharded_run_checkpoints_resumes_bitwise_and_on_4_and_1_ranks_and_expo
     final = _export(straight / "checkpoints" / "step-00000006", tmp_path / "a.safetensors")
     assert_bitwise_equal(final, _export(resumed / "checkpoints" / "step-00000006", tmp_path / "b.safetensors"))
 
-    # Another world size: DCP reshards; the data position maps as for DDP.
-    for ranks, steps in ((4, 8), (1, 10)):
+    # Another world size: DCP reshards; the data position maps as for DDP. Saved on 4 ranks,
+    # resumed on 2, then on 1.
+    for ranks, steps in ((4, 8), (2, 10), (1, 12)):
         more = run_train([*LM, "--shard", "--max-steps", str(steps), "--run-dir", str(straight)], nproc=ranks)
         assert more.returncode == 0, more.stderr[-3000:]
         assert f"world_size={ranks}" in more.stdout and f"resume from {straight}/checkpoints" in more.stdout
@@ -79,7 +82,7 @@ def test_a_sharded_run_checkpoints_resumes_bitwise_and_on_4_and_1_ranks_and_expo
     plain = load_task("lm", config).model
     weights = _export(straight, tmp_path / "c.safetensors")
     plain.load_state_dict(weights, strict=True)
-    assert json.loads(Path(straight / "summary.json").read_text())["steps"] == 10
+    assert json.loads(Path(straight / "summary.json").read_text())["steps"] == 12
 
 
 def test_replicated_and_sharded_checkpoints_resume_each_other(tmp_path: Path) -> None:
@@ -92,6 +95,21 @@ def test_replicated_and_sharded_checkpoints_resume_each_other(tmp_path: Path) ->
             assert f"at step {steps - 3}" in result.stdout
     losses = [r["loss"] for r in _records(run_dir) if "loss" in r]
     assert len(losses) == 9 and losses[-1] < losses[0]
+
+
+def test_keep_best_and_retention_on_sharded_checkpoints_and_the_test_pass_loads_the_best(tmp_path: Path) -> None:
+    result = run_train([*LM, "--task", "tests.plugins.lm_tested_task:make_task", "--shard", "--max-steps", "12",
+                        "--ckpt-every", "3", "--keep-last", "1", "--keep-best", "eval_ppl", "--lr", "20",
+                        "--run-dir", str(tmp_path)], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    evals = {r["step"]: r["eval_ppl"] for r in _records(tmp_path) if "eval_ppl" in r and r["step"] > 0}
+    best_step = min(evals, key=evals.__getitem__)
+    assert best_step < 12, evals  # the test pass must read a checkpoint back, not use the final weights
+    kept = sorted(path.name for path in (tmp_path / "checkpoints").glob("step-*"))
+    assert kept == [f"step-{best_step:08d}", "step-00000012"]  # --keep-last 1 spared the best
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["test_weights_from_step"] == best_step
+    assert summary["test_ppl"] == pytest.approx(evals[best_step], rel=1e-6)
 
 
 def _parity(ctx: DistContext, lr: float) -> dict[str, list[float]]:

@@ -20,7 +20,7 @@ from ddp_amp.distributed.collectives import (agreed_origin, all_gather_objects, 
 from ddp_amp.distributed.ddp import CommHook, comm_hook, release_ddp, wrap_ddp
 from ddp_amp.distributed.device import DeviceChoice, resolve_device, to_device
 from ddp_amp.distributed.fsdp import (ShardOptions, Units, default_units, describe_units, fused_kernel_takes, is_sharded,
-                                      local_numel_bytes, shard_model, shard_units)
+                                      local_numel_bytes, local_part, shard_model, shard_units)
 from ddp_amp.distributed.failure import announce_failure, publish_failure, published_failure
 from ddp_amp.distributed.group import (BackendChoice, DistContext, distributed, init_distributed,
                                 resolve_backend, shutdown_distributed)
@@ -28,7 +28,7 @@ from ddp_amp.distributed.liveness import Progress
 from ddp_amp.distributed.watch import PeerWatch
 
 __all__ = [
-    "ShardOptions", "Units", "default_units", "describe_units", "fused_kernel_takes", "is_sharded", "local_numel_bytes",
+    "ShardOptions", "Units", "default_units", "describe_units", "fused_kernel_takes", "is_sharded", "local_numel_bytes", "local_part",
     "shard_model", "shard_units", "BackendChoice", "CommHook", "DeviceChoice", "DistContext", "PeerWatch", "Progress",
     "agreed_origin",
     "all_gather_objects", "all_reduce_", "announce_failure", "publish_failure", "published_failure",

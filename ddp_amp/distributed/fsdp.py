@@ -108,11 +108,16 @@ def fused_kernel_takes(kind: type[torch.optim.Optimizer], params: Iterable[torch
     return not (issubclass(kind, torch.optim.SGD) and any(isinstance(p, DTensor) for p in params))
 
 
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor`: a sharded one's (DTensor's) local shard, else all of it."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def local_numel_bytes(tensors: Iterable[Any]) -> int:
     """Bytes this rank holds of `tensors` (a DTensor's local shard only)."""
     total = 0
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor):
-            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            local = local_part(tensor)
             total += local.numel() * local.element_size()
     return total

@@ -13,10 +13,10 @@ finite ones. Here:
   check they are
   folded on the device into the first non-finite step (a few vectorized ops, no host
   sync), so the stop can name the step where it went wrong;
-- before every checkpoint, each rank checks its weights (one pass over them, read once)
-  and the ranks gather what they found (collective); if any rank's weights or losses are
-  non-finite, nothing is written and every rank stops with the step and the newest finite
-  checkpoint to resume from.
+- before every checkpoint, each rank checks its weights, its shards of sharded ones (one
+  pass over them, read once), and the ranks gather what they found (collective); if any
+  rank's weights or losses are non-finite, nothing is written and every rank stops with
+  the step and the newest finite checkpoint to resume from.
 Under fp16 the scaler skips non-finite steps, so only the weights are checked.
 """
 
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ddp_amp.distributed import all_gather_objects
+from ddp_amp.distributed import all_gather_objects, local_part
 from ddp_amp.errors import TrainingHalted
 
 
@@ -83,7 +83,8 @@ class FiniteStateGuard:
         Collective: one all-gather. `resume_from` names the newest finite checkpoint.
         """
         self._fold()
-        weights_bad = bool(params) and not bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+        # Each rank reads its own part: all of a replicated parameter, its shard of a sharded one.
+        weights_bad = bool(params) and not bool(torch.stack([torch.isfinite(local_part(p)).all() for p in params]).all())
         found = all_gather_objects((int(self._first_bad.item()), weights_bad))
         bad_steps = sorted(first for first, _ in found if first >= 0)  # type: ignore[misc]
         bad_ranks = [rank for rank, (_, bad) in enumerate(found) if bad]  # type: ignore[misc]

@@ -33,6 +33,12 @@ So the first skips a run sees are reported without a rank (nothing checked their
 gradients yet); skips while armed name the ranks and parameters exactly. Without a
 process group the gradients are local anyway: the watch scans `.grad` at the check step
 when that step was skipped (`scan_grads`), which names them at once.
+
+Sharded (`--shard`), no hook sees a rank's own gradient: autograd accumulates into the
+gathered parameter, and what lands in the shard's `.grad` is already the reduce-scatter's
+sum over ranks. So the probe never arms; the watch scans each rank's gradient shards at a
+check step that was skipped, which names the parameters but not the rank whose data made
+the inf.
 """
 
 from collections.abc import Callable
@@ -40,9 +46,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from ddp_amp.distributed import all_gather_objects
+from ddp_amp.distributed import all_gather_objects, local_part
 
 ARMED_FOR = 200  # steps the probe stays armed after the last check that saw new skips
 
@@ -84,6 +91,7 @@ class OverflowProbe:
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], rank: int, max_names: int = 5) -> None:
         self.rank = rank
+        self.sharded = any(isinstance(p, DTensor) for _, p in named_params)
         self.max_names = max_names
         self._params = named_params
         self._handles: list[RemovableHandle] = []
@@ -131,7 +139,7 @@ class OverflowProbe:
         """Check `.grad` of every parameter now: the local gradients where none were reduced
         (one process). Call after a skip is known, before `zero_grad`."""
         self._checked = True
-        self._note([(name, p.grad) for name, p in self._params])
+        self._note([(name, None if p.grad is None else local_part(p.grad)) for name, p in self._params])
 
     def _local_summary(self) -> dict[str, Any]:
         if self._flags:  # one host read of all the flags, at report time only
@@ -154,12 +162,20 @@ class OverflowProbe:
             "checked": all(g["checked"] for g in gathered),  # type: ignore[index]
             "ranks": ranks,
             "params": {str(g["rank"]): g["params"] for g in gathered if g["nonfinite"]},  # type: ignore[index]
+            **({"sharded": True} if self.sharded else {}),
         }
 
 
 def describe(record: dict[str, Any]) -> str:
     """One log line for an overflow record."""
-    if not record.get("checked", True):
+    if record.get("sharded") and record.get("checked", True):
+        names = sorted({name for names in record["params"].values() for name in names})
+        source = (f"non-finite gradients in {', '.join(names)} (sharded: after the reduction over ranks, so "
+                  "which rank's data made them is not known)" if names else
+                  "no gradient shard was non-finite at the check step")
+    elif record.get("sharded"):
+        source = "sharded: gradients are scanned at a check step that skipped, and none of these did"
+    elif not record.get("checked", True):
         source = ("local gradients not checked yet: the check arms when skips are first seen and "
                   "names the rank and parameters of the skips after it")
     elif record["ranks"]:

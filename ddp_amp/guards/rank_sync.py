@@ -8,7 +8,8 @@ names the ranks that differ from rank 0 and the first parameters that differ.
 
 The fingerprint per parameter is (sum, sum of squares) in float64: two small reductions per
 tensor, a few hundred bytes to gather for a typical model. DDP replicas are bitwise equal,
-so the comparison is exact.
+so the comparison is exact. A sharded parameter (`--shard`) has one copy, split over the
+ranks: there is nothing to compare, and it is left out (the step and the scaler still are).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ddp_amp.amp import AgreedGradScaler
 from ddp_amp.distributed import all_gather_objects
@@ -28,6 +30,7 @@ from ddp_amp.errors import TrainingHalted
 def fingerprint(named_params: Sequence[tuple[str, nn.Parameter]], scaler: AgreedGradScaler | None,
                 step: int) -> dict[str, Any]:
     """This rank's fingerprint: step, scaler state and per-parameter (sum, sum of squares)."""
+    named_params = [(name, p) for name, p in named_params if not isinstance(p, DTensor)]  # replicated ones
     if named_params:
         flat = [p.detach().reshape(-1).double() for _, p in named_params]
         sums = torch.stack([t.sum() for t in flat])

@@ -134,9 +134,11 @@ class RunWatch:
         self._pending += skipped
         self._last_skips_seen = step
         if self.probe is not None:
-            if not self.distributed and self.scaler.last_step_skipped().item():
-                self.probe.scan_grads()  # one process: the gradients of this step are local
-            self.probe.arm()  # the local gradients of the next steps get checked
+            local = not self.distributed or self.probe.sharded  # no hook would see more (forensics.py)
+            if local and self.scaler.last_step_skipped().item():
+                self.probe.scan_grads()  # the gradients of this step, this rank's of them
+            if not self.probe.sharded:
+                self.probe.arm()  # the local gradients of the next steps get checked
         power_of_two = self._events & (self._events - 1) == 0
         if power_of_two or step - self._last_report >= REPORT_AT_LEAST_EVERY:
             self._report(step)

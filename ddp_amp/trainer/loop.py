@@ -49,6 +49,14 @@ _RECORD_FIELDS = frozenset({"step", "epoch", "loss", "lr", "loss_scale", "skippe
                             "step_time", "peak_mem_mb", "tokens_per_s", "tflops", "mfu", "mem_mb"})
 
 
+def _shard_extras(config: TrainConfig) -> str:
+    """The sharding options a run changed from their defaults, for its start line."""
+    extras = [text for on, text in ((config.activation_checkpointing, "activation checkpointing per unit"),
+                                    (not config.reshard_after_forward, "kept gathered from forward to backward"))
+              if on]
+    return f" ({', '.join(extras)})" if extras else ""
+
+
 class Trainer:
     """The task's model, optimizer and data on one rank of a session, and the loop over them."""
 
@@ -57,14 +65,16 @@ class Trainer:
         self.session, self.config, self.task, self.run_log = session, config, task, run_log
         ctx, self.device = session.ctx, session.device
         user_model = task.model.to(self.device)
-        named = [(n, p) for n, p in user_model.named_parameters() if p.requires_grad]
-        self.watch = RunWatch(watch_options(config), named, session.scaler, run_log, ctx.rank, session.precision,
-                              distributed=ctx.has_group)
         # What the start line says of the model: how it is sharded, if it is.
         self.layout = (f"sharded: {describe_units(shard_units(user_model, task.shard_units))} and the model as the "
-                       "root" if session.sharded else "replicated")
+                       f"root{_shard_extras(config)}" if session.sharded else "replicated")
         self.model = session.setup(user_model, compile_model=config.compile, grad_comm_dtype=config.grad_comm_dtype,
                                    units=task.shard_units, **({"static_graph": True} if config.static_graph else {}))
+        # After setup: sharding replaces each parameter by its shard (a DTensor), which the
+        # watchdogs must read.
+        named = [(n, p) for n, p in session.unwrap(self.model).named_parameters() if p.requires_grad]
+        self.watch = RunWatch(watch_options(config), named, session.scaler, run_log, ctx.rank, session.precision,
+                              distributed=ctx.has_group)
         self._precision = session.precision  # the step enters its autocast: read once here
         self._progress = session.ctx.progress
         # --compile compiles a loss_fn on its own as well: a cross-entropy over a large
