@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import resource
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +21,9 @@ import torch
 from ddp_amp.checkpoint import (commit_checkpoint, commit_directory, newest_complete, resolve_resume, safe_load,
                                 step_dir_name, verify_checkpoint)
 from ddp_amp.config import TrainConfig
-from ddp_amp.checkpoint.manifest import MANIFEST_NAME
+from ddp_amp.checkpoint.manifest import MANIFEST_NAME, encode_manifest, read_manifest, record_of
 from ddp_amp.errors import UsageError
+from ddp_amp.export import main as export_main
 from ddp_amp.train import main
 from tests.resume_harness import TASK
 from tests.multiproc import REPO_ROOT, cli_env
@@ -145,6 +148,28 @@ def test_checkpoint_with_pickled_code_is_refused_unexecuted(tmp_path: Path) -> N
     verify_checkpoint(evil)  # a valid manifest does not make it safe
     with pytest.raises(UsageError, match="pickled objects or code, refused unexecuted"):
         safe_load(evil / "model.pt")
+    assert not marker.exists()
+
+
+def test_a_sharded_checkpoint_whose_map_holds_pickled_code_is_refused_unexecuted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """DCP keeps its map of the shards as a pickle; resume and export read it restricted."""
+    run = tmp_path / "run"
+    assert main(["--task", "mlp", "--task-opt", "samples=64", "--batch-size", "8", "--device", "cpu", "--precision", "fp32", "--shard",
+                 "--max-steps", "2", "--run-dir", str(run)]) == 0
+    marker, evil = tmp_path / "pwned", tmp_path / "evil" / "step-00000002"
+    shutil.copytree(run / "checkpoints" / "step-00000002", evil)
+    (evil / "sharded" / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    manifest = read_manifest(evil)
+    manifest["files"]["sharded/.metadata"] = record_of(evil / "sharded" / ".metadata")
+    (evil / MANIFEST_NAME).write_bytes(encode_manifest(manifest))
+    verify_checkpoint(evil)  # a valid manifest does not make it safe
+    capsys.readouterr()
+    assert export_main([str(evil), "--to", str(tmp_path / "w.safetensors")]) == 2
+    assert main(["--task", "mlp", "--task-opt", "samples=64", "--batch-size", "8", "--device", "cpu", "--precision", "fp32", "--shard",
+                 "--max-steps", "4", "--resume", str(evil), "--run-dir", str(tmp_path / "again")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all("refused unexecuted" in line and ".metadata" in line for line in lines), lines
     assert not marker.exists()
 
 

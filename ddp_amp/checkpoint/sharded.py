@@ -12,7 +12,7 @@ protocol is the same as for any checkpoint, stretched over the ranks:
 A rank killed mid-save leaves a scratch directory no reader takes for a checkpoint, and
 every committed checkpoint untouched; DCP's own `.metadata` never marks a directory
 complete here: the manifest does. Loading reshards, so a run resumes on another number of
-ranks (`load_sharded`).
+ranks (`load_sharded`), and runs no pickled code (sharded_reader.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from ddp_amp.checkpoint.commit import new_scratch
 from ddp_amp.checkpoint.manifest import FileRecord, record_of
 from ddp_amp.checkpoint.rng import gather_rng_states
 from ddp_amp.checkpoint.save import SaveResult, build_contents, commit_outcome, commit_to, write_failure
+from ddp_amp.checkpoint.sharded_reader import SafeShardReader
 from ddp_amp.distributed import all_gather_objects, on_rank_zero
 from ddp_amp.durable import fsync_dir
 from ddp_amp.errors import CheckpointError
@@ -108,14 +109,14 @@ def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     process group exists, else read by this process alone)."""
     with warnings.catch_warnings():  # a single process without a group is what is meant here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(template, checkpoint_id=str(path / SHARDED_DIR), no_dist=not dist.is_initialized())
+        dcp.load(template, storage_reader=SafeShardReader(path / SHARDED_DIR), no_dist=not dist.is_initialized())
     return template
 
 
 def sharded_shapes(path: Path, key: str) -> dict[str, tuple[int, ...]]:
     """The global shape of every tensor of entry `key` in checkpoint `path`'s sharded state
     (from DCP's metadata: nothing is read but the map)."""
-    metadata = dcp.FileSystemReader(str(path / SHARDED_DIR)).read_metadata()
+    metadata = SafeShardReader(path / SHARDED_DIR).read_metadata()
     prefix = f"{key}."
     return {name[len(prefix):]: tuple(item.size) for name, item in metadata.state_dict_metadata.items()
             if name.startswith(prefix) and isinstance(item, dcp.TensorStorageMetadata)}
@@ -124,12 +125,12 @@ def sharded_shapes(path: Path, key: str) -> dict[str, tuple[int, ...]]:
 def sharded_tensors(path: Path, key: str) -> dict[str, torch.Tensor]:
     """Entry `key` of checkpoint `path`'s sharded state, whole, on the CPU, in this process
     alone (no process group needed): what an export writes."""
-    metadata = dcp.FileSystemReader(str(path / SHARDED_DIR)).read_metadata()
+    metadata = SafeShardReader(path / SHARDED_DIR).read_metadata()
     prefix = f"{key}."
     template = {name[len(prefix):]: torch.empty(item.size, dtype=item.properties.dtype)
                 for name, item in metadata.state_dict_metadata.items()
                 if name.startswith(prefix) and isinstance(item, dcp.TensorStorageMetadata)}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({key: template}, checkpoint_id=str(path / SHARDED_DIR), no_dist=True)
+        dcp.load({key: template}, storage_reader=SafeShardReader(path / SHARDED_DIR), no_dist=True)
     return template
