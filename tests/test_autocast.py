@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import threading
 
+import pytest
 import torch
 from torch import nn
 
@@ -91,3 +92,10 @@ def test_torch_autocast_is_entered_by_one_module_of_the_package() -> None:
     callers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
                      if re.search(r"\btorch\.(amp\.)?autocast\(|\bfrom torch(\.amp)? import autocast\b", path.read_text()))
     assert callers == ["amp/precision.py", "bench/recipe.py"]
+
+
+def test_a_precision_given_as_device_and_dtype_is_refused_with_how() -> None:
+    from ddp_amp.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"expected a ddp_amp Precision .*resolve_precision\('fp16'"):
+        AutocastModule(nn.Linear(4, 4), "cpu", torch.float16)  # type: ignore[arg-type]

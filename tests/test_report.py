@@ -11,11 +11,10 @@ import pytest
 from matplotlib import image
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.distributed import init_distributed
-from ddp_amp.env import detect_env
 from ddp_amp.report import DPI, FIGSIZE, read_run
 from ddp_amp.report import main as report_main
 from ddp_amp.train import train
+from ddp_amp.trainer import session_for
 from tests.multiproc import REPO_ROOT, cli_env, run_train
 
 TINY = ["--task", "mlp", "--device", "cpu", "--max-steps", "30", "--log-every", "5", "--batch-size", "16",
@@ -27,9 +26,10 @@ def test_report_plots_overlaid_runs_with_skipped_steps(tmp_path: Path) -> None:
     # A start scale of 1e9 overflows for the first dozen steps: skipped steps to mark.
     result = run_train([*TINY, "--precision", "fp16", "--loss-scale-init", "1e9", "--run-dir", str(fp16)])
     assert result.returncode == 0, result.stderr
-    train(TrainConfig(task="mlp", task_opt=("hidden=16", "samples=256"), max_steps=30, log_every=5, batch_size=16,
-                      device="cpu", precision="fp32", run_dir=str(fp32)),
-          init_distributed(detect_env({}), device="cpu"))
+    config = TrainConfig(task="mlp", task_opt=("hidden=16", "samples=256"), max_steps=30, log_every=5, batch_size=16,
+                         device="cpu", precision="fp32", run_dir=str(fp32))
+    with session_for(config) as session:
+        train(config, session)
 
     series = read_run(fp16)
     summary = json.loads((fp16 / "summary.json").read_text())

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_amp.amp import AutocastModule
+from ddp_amp.amp import AutocastModule, Precision
 from ddp_amp.distributed import DistContext
 from ddp_amp.amp import AgreedGradScaler
 from tests.multiproc import run_ranks
@@ -23,7 +23,7 @@ INIT_SCALE = 2.0**16
 
 def _one_step_with_local_inf(ctx: DistContext, scaler_kind: str, fused: bool) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = DDP(AutocastModule(nn.Linear(8, 4), "cpu", torch.float16))
+    model = DDP(AutocastModule(nn.Linear(8, 4), Precision("fp16", "cpu")))
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
     scaler = (AgreedGradScaler("cpu", init_scale=INIT_SCALE) if scaler_kind == "agreed"

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ddp_amp.amp.precision import Precision
+from ddp_amp.errors import UsageError
 
 
 def _to_fp32(value: Any) -> Any:
@@ -41,6 +42,9 @@ class AutocastModule(nn.Module):
     """Runs the wrapped module's forward under the precision's autocast, in whatever thread calls it."""
 
     def __init__(self, module: nn.Module, precision: Precision, cast_outputs_to_fp32: bool = False) -> None:
+        if not isinstance(precision, Precision):
+            raise UsageError("AutocastModule precision", repr(precision), "a ddp_amp Precision",
+                             "e.g. AutocastModule(model, resolve_precision('fp16', torch.device('cuda')))")
         super().__init__()
         self.module = module
         self.precision = precision

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -159,6 +160,13 @@ def read_options(options: dict[str, str]) -> dict[str, float]:
     return values
 
 
+def make_sgd(params: Iterable[torch.Tensor], lr: float) -> torch.optim.SGD:
+    """Fused SGD: it takes the scaler's skip flag on the device, where a plain SGD makes the
+    scaler read the flag on the host every fp16 step (sharded parameters have no fused SGD)."""
+    params = list(params)  # read twice: a generator would be spent by the first
+    return torch.optim.SGD(params, lr=lr, fused=fused_kernel_takes(torch.optim.SGD, params))
+
+
 def make_task(config: TrainConfig) -> Task:
     from ddp_amp.tasks import Task
 
@@ -187,10 +195,7 @@ def make_task(config: TrainConfig) -> Task:
         loss_fn=lm_loss,
         metric=lm_metric,
         finalize_metrics=perplexity,
-        # Fused: it takes the scaler's skip flag on the device, where a plain SGD makes the
-        # scaler read the flag on the host every fp16 step (sharded parameters have no fused SGD).
-        make_optimizer=lambda params, lr: torch.optim.SGD(params, lr=lr,
-                                                          fused=fused_kernel_takes(torch.optim.SGD, params)),
+        make_optimizer=make_sgd,
         make_scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, steps_per_epoch, gamma=0.95),
         default_lr=5.0,
         default_clip_grad_norm=0.5,

@@ -108,9 +108,11 @@ class RunCheckpoints:
 
     def _state(self, step: int, samples_seen: int) -> dict[str, Any]:
         parts = self.parts
-        return {"model": parts.model, "optimizer": parts.optimizer_state(), "scheduler": parts.scheduler,
-                "step": step, "samples_seen": samples_seen,
-                "data": None if parts.per_rank_position else parts.stream.state_dict()}
+        state = {"model": parts.model, "optimizer": parts.optimizer_state(), "scheduler": parts.scheduler,
+                 "step": step, "samples_seen": samples_seen}
+        if not parts.per_rank_position:  # else each rank's own position, under per_rank
+            state["data"] = parts.stream.state_dict()
+        return state
 
     def _per_rank(self) -> dict[str, Any]:
         per_rank: dict[str, Any] = {}
