@@ -47,8 +47,8 @@ def test_on_a_cpu_the_guard_holds_no_loss_and_still_finds_the_first_bad_step() -
         guard.record(step, loss)
     del losses, loss
     gc.collect()
-    assert all(ref() is None for ref in alive)  # copied out, none held
+    assert all(ref() is None for ref in alive)  # read at once, none held
     for step in range(len(alive) + 1, FOLD_EVERY + 40):  # across a fold
         guard.record(step, torch.tensor(float("nan") if step in (FOLD_EVERY + 7, FOLD_EVERY + 9) else 1.0))
     guard.restart()
-    assert int(guard._first_bad) == FOLD_EVERY + 7
+    assert guard.first_bad_step == FOLD_EVERY + 7

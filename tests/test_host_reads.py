@@ -84,6 +84,9 @@ def _trainer_reads(ctx: DistContext, cases: list[tuple[str, str, dict[str, Any]]
         config = TrainConfig(task=task, precision=precision, device=device, batch_size=8 * ctx.world_size,
                              max_steps=1000, log_every=1000, **{"task_opt": TASK_OPTIONS.get(task, ()), **extra})
         trainer = build_trainer(session_for(config).start(), config)
+        # The finite guard reads a CPU loss at once (no device to wait for there) and keeps a
+        # GPU loss for a later fold: count the branch a GPU runs, whose reads would be syncs.
+        trainer.watch.finite.read_at_once = False
         for _ in range(WARMUP):
             trainer.train_step()
         reads = _count(lambda: [trainer.train_step() for _ in range(MEASURED)], device)

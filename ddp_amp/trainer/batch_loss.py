@@ -61,6 +61,11 @@ class BatchLoss:
         else:
             self._loss_of = self._model_loss
 
+    @property
+    def hands_model_to_task(self) -> bool:
+        """Whether the task's own code gets the model (a step_fn)."""
+        return self._loss_of == self._step_fn_loss
+
     def __call__(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Extras | None]:
         return self._loss_of(model, batch)
 
