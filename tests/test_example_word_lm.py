@@ -181,6 +181,7 @@ def test_steady_state_steps_read_nothing_on_the_host() -> None:
     torch.set_num_threads(1)  # as the CLI runs get it (OMP_NUM_THREADS=1): tiny steps, a shared CPU
     try:
         trainer = build_trainer(session_for(config).start(), config)
+        trainer.watch.finite.read_at_once = False  # count the finite guard's GPU branch (test_host_reads)
         for _ in range(3):  # lazy starts: the first pass's loader, the hidden state, optimizer state
             trainer.train_step()
         counter = HostReadCounter()

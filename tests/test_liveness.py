@@ -21,7 +21,7 @@ from ddp_amp.checkpoint import verify_checkpoint
 from ddp_amp.checkpoint.discovery import checkpoint_root, list_step_dirs
 from ddp_amp.distributed import PeerWatch, Progress
 from ddp_amp.distributed.liveness import SILENCE_S, rank_list, silent_line
-from tests.multiproc import REPO_ROOT, child_pids, cli_env, is_running, run_ranks, run_train
+from tests.multiproc import REPO_ROOT, child_pids, cli_env, free_port, is_running, run_ranks, run_train
 from tests.resume_harness import TASK
 
 MLP = ["--task", "mlp", "--device", "cpu", "--batch-size", "8", "--eval-every", "0", "--task-opt", "hidden=16",
@@ -214,6 +214,31 @@ def _finish_apart(ctx: object, rank_delay: float) -> float:
 def test_a_rank_that_finished_is_not_silent_for_the_others_still_finishing() -> None:
     ends = run_ranks(_finish_apart, 2, 2.0)
     assert ends[0] - ends[1] > 1.5  # rank 0 outlived rank 1 and was not stopped
+
+
+def test_a_session_never_closed_does_not_make_a_rank_that_finished_first_look_silent(tmp_path: Path) -> None:
+    """The watch of a session never closed says DONE as its process ends without an error."""
+    proc, output = _start([*TORCHRUN, str(REPO_ROOT / "tests/plugins/unclosed_session.py"), str(tmp_path), "finish"])
+    assert proc.wait(120) == 0, output.text()[-3000:]
+    output.wait_closed(10)
+    assert "rank 0 finished" in output.text() and not output.ours(), output.text()[-3000:]
+
+
+def test_a_rank_that_ended_with_an_uncaught_exception_is_named_even_without_a_session_block(tmp_path: Path) -> None:
+    """The same script, rank 1 failing outside any session block, started by hand (env://):
+    no launcher stops rank 0 for it, and its watch says no DONE, so rank 0 stops, naming it."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(REPO_ROOT / "tests/plugins/unclosed_session.py"), str(tmp_path),
+                               "raise"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
+                              env=cli_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                                          MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank in range(2)]
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [1, 1], outputs
+    assert "rank 1 failed in the script's own code" in outputs[1], outputs[1]
+    assert "rank 0 finished" not in outputs[0], outputs[0]
+    ours = [line for line in outputs[0].splitlines() if line.startswith("ddp_amp: ")]
+    assert [line.split(" (")[0] for line in ours] == ["ddp_amp: rank 1 went silent"], outputs[0]
 
 
 def test_the_line_lists_ranks_and_steps_compactly() -> None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ddp_amp.distributed.device import DeviceChoice, resolve_device
 from ddp_amp.distributed.launcher import check_launcher_store
 from ddp_amp.distributed.liveness import Progress
+from ddp_amp.distributed.watch import stop_watches
 from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
 
@@ -113,13 +114,16 @@ def _default_store() -> dist.Store | None:
         return None
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(finished: bool = True) -> None:
     """Leave the process group. Call only after every DDP model has been freed.
 
     Destroying a gloo group while a DDP reducer is alive can abort the process
     (`terminate called without an active exception`, docs/facts.md); collecting first makes
-    sure the reducer and its hooks are gone before the group's threads are joined.
+    sure the reducer and its hooks are gone before the group's threads are joined. The
+    failure watches still running stop first; `finished` (False where this process leaves
+    because it failed): they tell the peers this rank is done, not silent (watch.py).
     """
+    stop_watches(finished)
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -132,5 +136,7 @@ def distributed(env: DistEnv, device: DeviceChoice = "auto", backend: BackendCho
     ctx = init_distributed(env, device, backend, timeout_s)
     try:
         yield ctx
-    finally:
-        shutdown_distributed()
+    except BaseException:
+        shutdown_distributed(finished=False)
+        raise
+    shutdown_distributed()

@@ -99,8 +99,10 @@ def _child(queue: Any, rank: int, world_size: int, port: int, device: str, backe
             # torch.save, not the queue's pickling: tensors in a result then travel as
             # bytes, not as shared memory that would vanish with this process.
             torch.save(fn(ctx, *args), buffer)
-        finally:
-            shutdown_distributed()  # after fn's DDP objects are gone: they were local to fn
+        except BaseException:
+            shutdown_distributed(finished=False)
+            raise
+        shutdown_distributed()  # after fn's DDP objects are gone: they were local to fn
         queue.put((rank, "ok", buffer.getvalue()))
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises
         queue.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))

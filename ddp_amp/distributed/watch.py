@@ -13,10 +13,16 @@ that stopped answering cannot block it), the thread
 
 The training loop only sets `Progress.step`; the main thread calls `explain` when one of
 its collectives failed, so that the line names the silent rank instead of gloo's text.
+
+A process that leaves its group (`shutdown_distributed`) or ends without an uncaught
+exception stops the watches it still runs, and each says DONE: a rank that finished first
+and exited would otherwise be named as gone silent by a peer still saving its last
+checkpoint (a session started and never closed, several sessions in one process).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -68,18 +74,21 @@ class PeerWatch:
         self._client = _own_connection(self.store) if self.store is not None else None
         self._thread = threading.Thread(target=self._watch, name="ddp_amp-peer-watch", daemon=True)
         self._thread.start()
+        _RUNNING.add(self)
         return self
 
-    def stop(self) -> None:
-        """End the thread; this rank's last heartbeat says it is done (its peers may still
-        be finishing: an exit after a finished run is no silence)."""
+    def stop(self, done: bool = True) -> None:
+        """End the thread; with `done`, this rank's last heartbeat says it is done (its peers
+        may still be finishing: an exit after a finished run is no silence). Without, a
+        process that ends next is taken for a silent rank: for a process that failed."""
+        _RUNNING.discard(self)
         if self._thread is None:
             return
         self._stopping = True
         self._wake.set()
         self._thread.join()
         self._thread = None
-        if self._client is not None:
+        if done and self._client is not None:
             try:
                 self._beat(DONE)
             except Exception:  # noqa: BLE001 - a store that is gone: the run is over anyway
@@ -189,6 +198,24 @@ class PeerWatch:
 
     def _steps(self) -> dict[int, int | None]:
         return {**{rank: self.tracker.step(rank) for rank in self.tracker.peers}, self.rank: self.progress.step}
+
+
+_RUNNING: set[PeerWatch] = set()  # the watches this process started and has not stopped
+
+
+def stop_watches(finished: bool = True) -> None:
+    """Stop every watch of this process; `finished`: each says DONE (see `PeerWatch.stop`)."""
+    for watch in list(_RUNNING):
+        watch.stop(done=finished)
+
+
+def _stop_watches_at_exit() -> None:
+    # An exception that reached the top of the program is recorded before atexit runs: that
+    # process failed, and its peers are right to name it once it is gone.
+    stop_watches(finished=getattr(sys, "last_value", None) is None)
+
+
+atexit.register(_stop_watches_at_exit)
 
 
 def _own_connection(store: dist.Store) -> dist.Store:
