@@ -76,29 +76,36 @@ def test_multinode_without_run_id_on_several_nodes_is_refused(tmp_path: Path) ->
     assert result.returncode == 2 and "set RUN_ID" in result.stderr
 
 
+# Steps of a set wall time (20 ms): the holder below must still run when a second job starts,
+# however fast the machine takes the steps of a small model.
+PACED = ["--task", "tests.plugins.paced_task:make_task", "--device", "cpu", "--batch-size", "8", "--eval-every", "0",
+         "--task-opt", "step_ms=20"]
+
+
 def test_a_second_job_on_a_run_directory_stops_at_once_and_a_killed_holders_restart_gets_it(
         tmp_path: Path) -> None:
     run_dir = tmp_path / "shared"
-    long_run = [*TRAIN, *MLP, "--max-steps", "4000", "--ckpt-every", "1000", "--log-every", "1000",
-                "--run-dir", str(run_dir)]
+    long_run = [*TRAIN, *PACED, "--max-steps", "450", "--ckpt-every", "150", "--log-every", "1000",
+                "--run-dir", str(run_dir)]  # 9 s at least
     holder = subprocess.Popen(long_run, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=cli_env(), cwd=REPO_ROOT)
     assert holder.stdout is not None and " start: fresh run" in holder.stdout.readline()
     started = time.monotonic()
-    second = run_train([*MLP, "--max-steps", "10", "--run-dir", str(run_dir)], timeout=60)
-    assert second.returncode == 2 and time.monotonic() - started < 30
+    second = run_train([*PACED, "--max-steps", "10", "--run-dir", str(run_dir)], timeout=60)
+    assert holder.poll() is None, "the holder ended before the second job started: make it longer"
+    assert second.returncode == 2 and time.monotonic() - started < 30, second.stdout[-2000:]
     assert f"pid {holder.pid}" in second.stderr and "no other job is using" in second.stderr, second.stderr
     assert len(second.stderr.strip().splitlines()) == 1
     out, err = holder.communicate(timeout=240)
     assert holder.returncode == 0, err[-3000:]
-    for step in (2000, 3000, 4000):
+    for step in (150, 300, 450):
         verify_checkpoint(run_dir / "checkpoints" / f"step-{step:08d}")  # the holder's work is intact
     # A holder killed with SIGKILL leaves no stale lock: its restart takes the directory.
     killed = subprocess.Popen([*long_run, "--max-steps", "100000"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, env=cli_env(), cwd=REPO_ROOT)
     lock = run_dir / ".lock"
     kill_when(killed, lambda: f'"pid": {killed.pid}' in lock.read_text(), "the lock")
-    restart = run_train([*MLP, "--max-steps", "4000", "--run-dir", str(run_dir)])
+    restart = run_train([*PACED, "--max-steps", "460", "--run-dir", str(run_dir)])
     assert restart.returncode == 0, restart.stderr[-3000:]
     assert "start: resume from" in _start_line(restart.stdout)
 
