@@ -88,21 +88,17 @@ def _child(queue: Any, rank: int, world_size: int, port: int, device: str, backe
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     if threads:
         torch.set_num_threads(threads)
-    from ddp_amp.distributed.group import init_distributed, shutdown_distributed
+    from ddp_amp.distributed.group import distributed
     from ddp_amp.env import detect_env
 
     try:
-        ctx = init_distributed(detect_env(os.environ), device=device, backend=backend,  # type: ignore[arg-type]
-                               timeout_s=dist_timeout_s)
-        try:
-            buffer = io.BytesIO()
+        buffer = io.BytesIO()
+        # Left after fn's DDP objects are gone: they were local to fn.
+        with distributed(detect_env(os.environ), device=device, backend=backend,  # type: ignore[arg-type]
+                         timeout_s=dist_timeout_s) as ctx:
             # torch.save, not the queue's pickling: tensors in a result then travel as
             # bytes, not as shared memory that would vanish with this process.
             torch.save(fn(ctx, *args), buffer)
-        except BaseException:
-            shutdown_distributed(finished=False)
-            raise
-        shutdown_distributed()  # after fn's DDP objects are gone: they were local to fn
         queue.put((rank, "ok", buffer.getvalue()))
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises
         queue.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
