@@ -17,6 +17,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ddp_amp.distributed.device import DeviceChoice, resolve_device
 from ddp_amp.distributed.launcher import check_launcher_store
@@ -43,10 +44,29 @@ class DistContext:
     # What this rank's loop has done (its last step, its run's last checkpoint), read by the
     # rank's watch thread for its heartbeat (liveness.py); the loop sets plain attributes.
     progress: Progress = field(default_factory=Progress, compare=False, repr=False)
+    # The ranks laid out by what they do: one data-parallel dimension ("dp") today; a
+    # replicate x shard or a tensor-parallel dimension is one more name. None without a group.
+    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
 
     @property
     def rank(self) -> int:
         return self.env.rank
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place among the data-parallel ranks: what data it reads, whether it
+        is "rank 0 of its replica". Equal to the world rank only while every dimension of
+        the mesh is data parallel."""
+        if self.mesh is None:
+            return self.env.rank
+        return _dp_rank(self.mesh)
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel ranks read different data."""
+        if self.mesh is None:
+            return self.env.world_size
+        return _dp_size(self.mesh)
 
     @property
     def world_size(self) -> int:
@@ -59,6 +79,34 @@ class DistContext:
     @property
     def has_group(self) -> bool:
         return self.backend is not None and dist.is_initialized()
+
+
+# The mesh dimensions that are data parallel: each reads its own data.
+DP_DIMS = ("dp_replicate", "dp_shard", "dp")
+
+
+def _dp_dims(mesh: DeviceMesh) -> list[str]:
+    return [name for name in (mesh.mesh_dim_names or ()) if name in DP_DIMS]
+
+
+def _dp_size(mesh: DeviceMesh) -> int:
+    size = 1
+    for name in _dp_dims(mesh):
+        size *= mesh.size(mesh.mesh_dim_names.index(name))  # type: ignore[union-attr]  # names exist: _dp_dims
+    return size
+
+
+def _dp_rank(mesh: DeviceMesh) -> int:
+    rank = 0
+    for name in _dp_dims(mesh):  # row-major over the data-parallel dimensions, outer first
+        rank = rank * mesh.size(mesh.mesh_dim_names.index(name)) + mesh.get_local_rank(name)  # type: ignore[union-attr]
+    return rank
+
+
+def build_mesh(device: torch.device, world_size: int) -> DeviceMesh:
+    """The device mesh over the group just joined (collective): one data-parallel
+    dimension spanning every rank, which reuses the default group (no new one is formed)."""
+    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
 
 
 def resolve_backend(choice: BackendChoice, device: torch.device) -> str:
@@ -97,13 +145,17 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
         return DistContext(env, torch_device, None)
     chosen = resolve_backend(backend, torch_device)
     if dist.is_initialized():  # idempotent: a user's script may have joined already
-        return DistContext(env, torch_device, dist.get_backend(), _default_store())
+        return DistContext(env, torch_device, dist.get_backend(), _default_store(),
+                           mesh=build_mesh(torch_device, dist.get_world_size()))
     timeout = timedelta(seconds=timeout_s)
     # A group of one needs no rendezvous: an in-memory store, no port to claim.
     store = _open_store(env, timeout) if env.is_distributed else dist.HashStore()
     dist.init_process_group(chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     log.debug("rank %d joined %s group of %d", env.rank, chosen, env.world_size)
-    return DistContext(env, torch_device, chosen, store if env.is_distributed else None)
+    # The group is formed on our own store first (a per-attempt prefix, above); the mesh
+    # then lays the ranks out on it.
+    return DistContext(env, torch_device, chosen, store if env.is_distributed else None,
+                       mesh=build_mesh(torch_device, env.world_size))
 
 
 def _default_store() -> dist.Store | None:
