@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import statistics
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -100,7 +101,10 @@ def check_gpus(env: DistEnv, environ: Mapping[str, str], gpu_count: int) -> list
 def signal_meanings(config: TrainConfig) -> str:
     """What each handled signal makes ddp_amp.train do, with its defaults."""
     requeue, stop = config.preempt_signal, config.stop_signal
-    names = (lambda signums: ",".join(s.name.removeprefix("SIG") for s in signums) or "none")
+
+    def names(signums: Iterable[signal.Signals]) -> str:
+        return ",".join(s.name.removeprefix("SIG") for s in signums) or "none"
+
     return (f"{names(requeue)}: checkpoint + requeue, exit 75 (--preempt-signal); "
             f"{names(stop)}: checkpoint + stop, no requeue, exit 128+N (--stop-signal)")
 

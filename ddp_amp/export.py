@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from ddp_amp.checkpoint import (META_FILE, IncompleteCheckpoint, sharded_tensors, checkpoint_root, complete_copy, list_step_dirs,
-                                read_best, read_checkpoint, resolve_resume, verify_checkpoint)
+from ddp_amp.checkpoint import (META_FILE, IncompleteCheckpoint, checkpoint_root, complete_copy, list_step_dirs,
+                                read_best, read_checkpoint, resolve_resume, sharded_tensors, verify_checkpoint)
 from ddp_amp.durable import write_atomic
 from ddp_amp.errors import UsageError
 from ddp_amp.session.layout import module_file

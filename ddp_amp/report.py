@@ -94,7 +94,8 @@ def write_plots(runs: list[RunSeries], out_dir: Path) -> list[Path]:
               ("throughput.png", "samples_per_s", "samples/s", False),
               ("memory.png", "peak_mem_mb", "peak memory (MB)", False)]
     # Logged only where known: tokens for a task that has them, MFU on a GPU with a known peak.
-    optional = [("tokens.png", "tokens_per_s", "tokens/s", False), ("flops.png", "tflops", "model TFLOP/s per rank", False),
+    optional = [("tokens.png", "tokens_per_s", "tokens/s", False),
+                ("flops.png", "tflops", "model TFLOP/s per rank", False),
                 ("mfu.png", "mfu", "MFU", False)]
     charts += [chart for chart in optional if any(run.column(chart[1])[0] for run in runs)]
     written = []

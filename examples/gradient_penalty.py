@@ -86,7 +86,8 @@ def train(session: Session) -> dict[str, object]:
 
 
 def main() -> None:
-    run_example(__doc__.splitlines()[0], train, lambda rank: f"penalty gradient vs fp32, relative error: {rank['penalty_grad_rel_err']}",
+    run_example(__doc__.splitlines()[0], train,
+                lambda rank: f"penalty gradient vs fp32, relative error: {rank['penalty_grad_rel_err']}",
                 scaler_options={"init_scale": 1024.0})
 
 

@@ -89,8 +89,9 @@ def test_torch_autocast_is_entered_by_one_module_of_the_package() -> None:
     from pathlib import Path
 
     package = Path(__file__).resolve().parent.parent / "ddp_amp"
+    entering = re.compile(r"\btorch\.(amp\.)?autocast\(|\bfrom torch(\.amp)? import autocast\b")
     callers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
-                     if re.search(r"\btorch\.(amp\.)?autocast\(|\bfrom torch(\.amp)? import autocast\b", path.read_text()))
+                     if entering.search(path.read_text()))
     assert callers == ["amp/precision.py", "bench/recipe.py"]
 
 

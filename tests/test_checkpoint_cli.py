@@ -155,8 +155,8 @@ def test_a_sharded_checkpoint_whose_map_holds_pickled_code_is_refused_unexecuted
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """DCP keeps its map of the shards as a pickle; resume and export read it restricted."""
     run = tmp_path / "run"
-    assert main(["--task", "mlp", "--task-opt", "samples=64", "--batch-size", "8", "--device", "cpu", "--precision", "fp32", "--shard",
-                 "--max-steps", "2", "--run-dir", str(run)]) == 0
+    assert main(["--task", "mlp", "--task-opt", "samples=64", "--batch-size", "8", "--device", "cpu",
+                 "--precision", "fp32", "--shard", "--max-steps", "2", "--run-dir", str(run)]) == 0
     marker, evil = tmp_path / "pwned", tmp_path / "evil" / "step-00000002"
     shutil.copytree(run / "checkpoints" / "step-00000002", evil)
     (evil / "sharded" / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
@@ -166,8 +166,9 @@ def test_a_sharded_checkpoint_whose_map_holds_pickled_code_is_refused_unexecuted
     verify_checkpoint(evil)  # a valid manifest does not make it safe
     capsys.readouterr()
     assert export_main([str(evil), "--to", str(tmp_path / "w.safetensors")]) == 2
-    assert main(["--task", "mlp", "--task-opt", "samples=64", "--batch-size", "8", "--device", "cpu", "--precision", "fp32", "--shard",
-                 "--max-steps", "4", "--resume", str(evil), "--run-dir", str(tmp_path / "again")]) == 2
+    assert main(["--task", "mlp", "--task-opt", "samples=64", "--batch-size", "8", "--device", "cpu",
+                 "--precision", "fp32", "--shard", "--max-steps", "4", "--resume", str(evil),
+                 "--run-dir", str(tmp_path / "again")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and all("refused unexecuted" in line and ".metadata" in line for line in lines), lines
     assert not marker.exists()

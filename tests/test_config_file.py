@@ -35,7 +35,7 @@ def _write(tmp_path: Path, text: str, name: str = "run.toml") -> str:
 
 def _error(argv: list[str]) -> str:
     with pytest.raises(UsageError) as caught:
-        parse_command_line(argv).config
+        _ = parse_command_line(argv).config
     message = str(caught.value)
     assert "\n" not in message, message
     return message

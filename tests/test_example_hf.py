@@ -86,8 +86,8 @@ def test_without_an_eval_fn_the_models_own_loss_is_evaluated_exactly_over_ranks(
     args[args.index(TASK)] = "examples.hf_causal_lm:make_task_scored_by_its_loss"
     runs = {1: tmp_path / "one", 2: tmp_path / "two"}
     with ThreadPoolExecutor(2) as pool:
-        results = dict(zip(runs, pool.map(lambda n: run_train([*args, "--run-dir", str(runs[n])], nproc=n if n > 1 else 0),
-                                          runs)))
+        results = dict(zip(runs, pool.map(lambda n: run_train([*args, "--run-dir", str(runs[n])],
+                                                              nproc=n if n > 1 else 0), runs)))
     evals = {}
     for n, result in results.items():
         assert result.returncode == 0, result.stderr[-3000:]

@@ -174,7 +174,8 @@ def test_non_contiguous_tensors_and_extra_state(tmp_path: Path, capsys: pytest.C
     assert all(tensor.is_contiguous() for tensor in exported.tensors.values())
 
     root, out = tmp_path / "checkpoints", tmp_path / "model.safetensors"
-    commit_checkpoint(root / step_dir_name(5), {"model.pt": state, "rng.pt": {"ranks": []}, "meta.json": b'{"step": 5}'})
+    commit_checkpoint(root / step_dir_name(5),
+                      {"model.pt": state, "rng.pt": {"ranks": []}, "meta.json": b'{"step": 5}'})
     assert export_main([str(root), "--to", str(out)]) == 0
     assert "proj._extra_state" in capsys.readouterr().err
     weights = load_file(out)

@@ -148,8 +148,8 @@ def test_a_rank_killed_with_sigkill_is_named_in_one_line(tmp_path: Path) -> None
     output.wait_closed(10)
     assert output.ours() == [line], output.text()[-3000:]
     heard = re.fullmatch(r"ddp_amp: rank 1 went silent \(last heard at (step \d+|no step yet)\): its process ended "
-                         r"or stopped without an error of its own \(killed, e\.g\. by the OOM killer or kill -9, or its node was "
-                         r"lost\); the other ranks reached step 200", line)
+                         r"or stopped without an error of its own \(killed, e\.g\. by the OOM killer or kill -9, "
+                         r"or its node was lost\); the other ranks reached step 200", line)
     assert heard is not None, line
     assert heard[1] == "no step yet" or int(heard[1].split()[1]) <= 200
     assert "GLHF" not in output.text() and "Connection closed" not in output.text(), output.text()[-3000:]

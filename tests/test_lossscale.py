@@ -87,11 +87,11 @@ def test_guard_stops_after_consecutive_skips_and_streak_survives_state_dict() ->
 
 def test_bad_loss_scale_options_are_usage_errors() -> None:
     with pytest.raises(UsageError, match="--loss-scale-backoff"):
-        parse_command_line(["--loss-scale-backoff", "1.5"]).config
+        _ = parse_command_line(["--loss-scale-backoff", "1.5"]).config
     with pytest.raises(UsageError, match="--loss-scale-min"):
-        parse_command_line(["--loss-scale-min", "1e9"]).config
+        _ = parse_command_line(["--loss-scale-min", "1e9"]).config
     with pytest.raises(UsageError, match="--check-sync-every"):
-        parse_command_line(["--check-sync-every", "-1"]).config
+        _ = parse_command_line(["--check-sync-every", "-1"]).config
 
 
 def _one_process(tmp_path: Path, **options: object) -> TrainConfig:
@@ -139,7 +139,8 @@ def test_two_ranks_fp16_stop_and_name_the_rank_with_bad_local_gradients(tmp_path
     assert overflows[0]["step"] == 4 and not overflows[0]["checked"] and overflows[0]["ranks"] == []
     # ...and every later one names rank 1's own bad gradient, before DDP's reduction spread it.
     assert len(overflows) >= 2, overflows
-    assert all(e["checked"] and e["ranks"] == [1] and e["params"] == {"1": ["2.bias"]} for e in overflows[1:]), overflows
+    assert all(e["checked"] and e["ranks"] == [1] and e["params"] == {"1": ["2.bias"]}
+               for e in overflows[1:]), overflows
     assert sum(e["skipped"] for e in overflows) == 6  # every skip is accounted for
     assert events[-1] == {**events[-1], "event": "halted", "step": 8}
     # no checkpoint of the bad state (the folder itself is made by the writability check)

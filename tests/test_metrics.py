@@ -114,7 +114,7 @@ def _run_in_terminal(command: list[str], timeout: float = 120) -> str:
         while True:
             ready, _, _ = select.select([leader], [], [], timeout)
             if not ready:
-                raise TimeoutError("no output for %ss" % timeout)
+                raise TimeoutError(f"no output for {timeout}s")
             try:
                 data = os.read(leader, 65536)
             except OSError:  # EIO: every writer closed the terminal

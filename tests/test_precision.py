@@ -33,5 +33,5 @@ def test_only_fp16_gets_an_enabled_scaler() -> None:
 
 
 def test_unknown_precision_is_a_usage_error() -> None:
-    with pytest.raises(UsageError, match="fp4.*one of auto, fp32, bf16, fp16, fp8"):
+    with pytest.raises(UsageError, match=r"fp4.*one of auto, fp32, bf16, fp16, fp8"):
         resolve_precision("fp4", CPU)

@@ -93,7 +93,8 @@ def _wait_for_metrics(run_dir: Path, proc: subprocess.Popen[str], timeout: float
 def test_dataloader_workers_survive_the_signal(tmp_path: Path) -> None:
     """USR1 to the whole process group (as SLURM sends it) reaches the workers too: they
     ignore it, and the run stops with the preemption exit code instead of a worker crash."""
-    proc = subprocess.Popen([sys.executable, "-m", "ddp_amp.train", "--task", "mlp", "--device", "cpu", "--num-workers", "1",
+    proc = subprocess.Popen([sys.executable, "-m", "ddp_amp.train", "--task", "mlp", "--device", "cpu",
+                             "--num-workers", "1",
                              "--max-steps", "100000", "--log-every", "5", "--task-opt", "hidden=16",
                              "--run-dir", str(tmp_path)],
                             env=cli_env(), cwd=REPO_ROOT, text=True, stdout=subprocess.PIPE,

@@ -96,7 +96,7 @@ def test_a_second_job_on_a_run_directory_stops_at_once_and_a_killed_holders_rest
     assert second.returncode == 2 and time.monotonic() - started < 30, second.stdout[-2000:]
     assert f"pid {holder.pid}" in second.stderr and "no other job is using" in second.stderr, second.stderr
     assert len(second.stderr.strip().splitlines()) == 1
-    out, err = holder.communicate(timeout=240)
+    _, err = holder.communicate(timeout=240)
     assert holder.returncode == 0, err[-3000:]
     for step in (150, 300, 450):
         verify_checkpoint(run_dir / "checkpoints" / f"step-{step:08d}")  # the holder's work is intact

@@ -84,4 +84,4 @@ def test_fast_path_options_are_validated() -> None:
     config = parse_command_line(["--grad-comm-dtype", "bf16", "--static-graph", "--optimizer-impl", "foreach"]).config
     assert (config.grad_comm_dtype, config.static_graph, config.optimizer_impl) == ("bf16", True, "foreach")
     with pytest.raises(UsageError, match="--grad-comm-dtype"):
-        parse_command_line(["--grad-comm-dtype", "fp8"]).config
+        _ = parse_command_line(["--grad-comm-dtype", "fp8"]).config

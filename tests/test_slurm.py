@@ -208,7 +208,8 @@ def test_a_job_requeued_max_requeues_times_is_not_requeued_again(slurm_cluster: 
     nexts = [f"requeuing SLURM job {job}"] * 2 + [
         "not requeued: this job was requeued 2 times already (--max-requeues 2); resubmit it to go on"]
     for record, next_ in zip(stops, nexts):
-        assert f"stopped at step {record['step']} after SIGUSR1; checkpoint: {record['checkpoint']}; {next_}" in out, out
+        said = f"stopped at step {record['step']} after SIGUSR1; checkpoint: {record['checkpoint']}; {next_}"
+        assert said in out, out
     # Said before asking: the requeue ends the step, and rank 0's answer comes after it.
     lines = out.splitlines()
     asked = [n for n, line in enumerate(lines) if line.endswith(f"; requeuing SLURM job {job}")]

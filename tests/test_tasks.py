@@ -43,7 +43,8 @@ BAD_PLUGINS = {
         "Task.metric to be callable or None, got int",
     "return Task(model=nn.Linear(2, 1), train_data=data(), loss_fn=nn.functional.mse_loss, default_lr='fast')":
         "Task.default_lr to be a number >= 0, got 'fast'",
-    "return Task(model=nn.Linear(2, 1), train_data=data(), loss_fn=nn.functional.mse_loss, default_clip_grad_norm=-1.0)":
+    ("return Task(model=nn.Linear(2, 1), train_data=data(), loss_fn=nn.functional.mse_loss, "
+     "default_clip_grad_norm=-1.0)"):
         "Task.default_clip_grad_norm to be a number >= 0",
 }
 

@@ -94,7 +94,7 @@ def test_a_tracker_that_cannot_start_is_one_line_and_a_broken_one_is_dropped(tmp
                        tmp_path, {}, 0, print)
     assert "no route to the tracking server" in str(refused.value) and "\n" not in str(refused.value)
     assert own_tracker.read(tmp_path)[-1] == {"finished": "own-" + tmp_path.name}  # the started one closed
-    with pytest.raises(UsageError, match="tensorbord.*one of tensorboard, wandb, mlflow"):
+    with pytest.raises(UsageError, match=r"tensorbord.*one of tensorboard, wandb, mlflow"):
         start_trackers(["tensorbord"], tmp_path, {}, 0, print)
     warnings: list[str] = []
     trackers = start_trackers(["tests.plugins.own_tracker:breaks_later"], tmp_path, {}, 0, warnings.append)

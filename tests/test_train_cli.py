@@ -111,7 +111,7 @@ def test_every_option_has_help_text() -> None:
 ])
 def test_run_options_are_checked(argv: list[str], match: str) -> None:
     with pytest.raises(UsageError, match=match):
-        parse_command_line(argv).config
+        _ = parse_command_line(argv).config
 
 
 def test_allow_change_takes_flag_or_field_names() -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -72,17 +72,22 @@ def session_loop(ctx: DistContext, precision: Precision, batches: list[tuple[tor
     return step
 
 
+def _stepping(hand: Any, batches: Iterator[Any]) -> Callable[[], object]:
+    """One step of `hand` on the next of `batches`, per call."""
+    return lambda: hand.step(next(batches))
+
+
 def _rows(ctx: DistContext, blocks: int, steps: int) -> list[dict[str, Any]]:
     """Collective: a Trainer row and a Session row per precision on this group (or none)."""
     rows = []
     for name in PRECISIONS:
         precision = Precision(name, ctx.device.type)  # type: ignore[arg-type]
         batches = make_batches(MICRO, N_BATCHES, ctx.device, seed=1 + ctx.rank)
-        cycle = itertools.cycle(batches)
         trainer = make_trainer(ctx, MICRO, precision, batches)
         hand = hand_like(ctx, MICRO, precision, trainer)
-        contenders = {"hand": lambda: hand.step(next(cycle)), "trainer": trainer.train_step,
-                      "session": session_loop(ctx, precision, batches, fused=bool(hand.optimizer.defaults.get("fused")))}
+        contenders = {"hand": _stepping(hand, itertools.cycle(batches)), "trainer": trainer.train_step,
+                      "session": session_loop(ctx, precision, batches,
+                                              fused=bool(hand.optimizer.defaults.get("fused")))}
         interleave(list(contenders.values()), 1, 3, ctx.device)  # warm-up, not counted
         times = dict(zip(contenders, interleave(list(contenders.values()), blocks, steps, ctx.device)))
         for loop in ("trainer", "session"):

@@ -97,7 +97,8 @@ def memory_table(section: dict[str, Any]) -> str:
     title = (f"State held per rank (the largest rank), {section['layers']} x Linear({section['width']},"
              f"{section['width']}), {section['parameters'] / 1e6:.1f}M parameters, AdamW, fp32")
     rows = [[row["ranks"], row.get("variant", row.get("skipped")),
-             *(_mib(row, key) for key in ("params", "grads", "optimizer", "state", "kept_between_forward_and_backward")),
+             *(_mib(row, key)
+               for key in ("params", "grads", "optimizer", "state", "kept_between_forward_and_backward")),
              f"{row['of_ideal']:.3f}" if "of_ideal" in row else ""] for row in section["rows"]]
     return title + "\n" + grid(["ranks", "variant", "params MiB", "grads MiB", "optimizer MiB", "state MiB",
                                 "kept fwd->bwd MiB", "state / (DDP / N)"], rows)

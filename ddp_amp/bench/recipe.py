@@ -39,7 +39,8 @@ class RecipeSize:
         return 6.0 * self.batch * self.layers * self.width * self.width
 
 
-def make_batches(size: RecipeSize, count: int, device: torch.device, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_batches(size: RecipeSize, count: int, device: torch.device,
+                 seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`count` (input, target) batches from a fixed seed: the same data for every trial."""
     generator = torch.Generator().manual_seed(seed)
     batches = []

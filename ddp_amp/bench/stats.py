@@ -24,7 +24,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def interleave(contenders: Sequence[Callable[[], None]], blocks: int, steps: int,
+def interleave(contenders: Sequence[Callable[[], object]], blocks: int, steps: int,
                device: torch.device) -> list[list[float]]:
     """Run `blocks` rounds of `steps` steps of each contender in turn; seconds per step per block.
 

@@ -13,6 +13,7 @@ no-op (or a local call) for a world of one, so callers never branch on the world
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -60,10 +61,8 @@ def agreed_origin(error: BaseException) -> int | None:
 
 def mark_agreed(error: BaseException, origin: int) -> BaseException:
     """Mark `error` as raised on every rank together, first on rank `origin`; returns it."""
-    try:
-        error.ddp_amp_origin_rank = origin  # type: ignore[attr-defined]
-    except AttributeError:  # an exception type without a __dict__
-        pass
+    with contextlib.suppress(AttributeError):  # an exception type without a __dict__
+        error.ddp_amp_origin_rank = origin  # type: ignore[attr-defined]  # an attribute of ours, set at run time
     return error
 
 

@@ -48,7 +48,7 @@ class Progress:
     newest committed checkpoint of the run, as a path (None before the first).
     """
 
-    __slots__ = ("step", "checkpoint")
+    __slots__ = ("checkpoint", "step")
 
     def __init__(self) -> None:
         self.step: int | None = None

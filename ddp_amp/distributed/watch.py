@@ -23,6 +23,7 @@ checkpoint (a session started and never closed, several sessions in one process)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import sys
@@ -89,10 +90,8 @@ class PeerWatch:
         self._thread.join()
         self._thread = None
         if done and self._client is not None:
-            try:
+            with contextlib.suppress(Exception):  # a store that is gone: the run is over anyway
                 self._beat(DONE)
-            except Exception:  # noqa: BLE001 - a store that is gone: the run is over anyway
-                pass
 
     def explain(self, error: BaseException, show_error: bool = False) -> None:
         """After a collective of this rank failed (a peer's connection ended, or it timed
@@ -240,8 +239,6 @@ def _say(line: str) -> None:
 def _exit() -> None:
     """End this process now: its main thread may be blocked in a collective."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError):
             stream.flush()
-        except OSError:
-            pass
     os._exit(EXIT_PEER_FAILED)

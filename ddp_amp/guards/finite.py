@@ -89,7 +89,8 @@ class FiniteStateGuard:
         Collective: one all-gather. `resume_from` names the newest finite checkpoint.
         """
         # Each rank reads its own part: all of a replicated parameter, its shard of a sharded one.
-        weights_bad = bool(params) and not bool(torch.stack([torch.isfinite(local_part(p)).all() for p in params]).all())
+        weights_bad = bool(params) and not bool(torch.stack([torch.isfinite(local_part(p)).all()
+                                                             for p in params]).all())
         found = all_gather_objects((self.first_bad_step, weights_bad))
         bad_steps = sorted(first for first, _ in found if first >= 0)  # type: ignore[misc]
         bad_ranks = [rank for rank, (_, bad) in enumerate(found) if bad]  # type: ignore[misc]

@@ -131,9 +131,9 @@ class OverflowProbe:
     def _note(self, pairs: Any) -> None:
         """Exact check of each (name, gradient): remember the first bad names."""
         for name, grad in pairs:
-            if grad is not None and _nonfinite(grad).item():
-                if name not in self._bad_names and len(self._bad_names) < self.max_names:
-                    self._bad_names.append(name)
+            if (grad is not None and _nonfinite(grad).item() and name not in self._bad_names
+                    and len(self._bad_names) < self.max_names):
+                self._bad_names.append(name)
 
     def scan_grads(self) -> None:
         """Check `.grad` of every parameter now: the local gradients where none were reduced

@@ -272,4 +272,5 @@ def stop_for_preemption(save_checkpoint: Callable[[], Path | None], watch: Preem
             requeued, message = on_rank_zero(lambda: requeue_slurm_job(environ))
             report({"event": "requeue", "step": step, "requeued": requeued}, message)
     return {"preempted": True, "step": step, "signal": watch.stopped_by, "action": action,
-            "checkpoint": record["checkpoint"], "requeued": requeued, "signal_to_commit_s": record["signal_to_commit_s"]}
+            "checkpoint": record["checkpoint"], "requeued": requeued,
+            "signal_to_commit_s": record["signal_to_commit_s"]}

@@ -21,9 +21,8 @@ step's loss on the device until a checkpoint looks at them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -43,7 +42,7 @@ REPORT_AT_LEAST_EVERY = 1000  # steps between overflow reports while overflows c
 class WatchOptions:
     """What the watchdogs need from the run's configuration."""
 
-    loss_scale: LossScaleOptions = LossScaleOptions()
+    loss_scale: LossScaleOptions = field(default_factory=LossScaleOptions)
     check_sync_every: int = 0  # steps between rank-consistency checks; 0 = only after a resume
     log_every: int = 20  # the logging cadence, which bounds how rarely a GPU reads the counters
 

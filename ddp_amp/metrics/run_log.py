@@ -123,7 +123,7 @@ class RunLog:
     def _append(self, record: dict[str, Any]) -> None:
         if self._metrics is None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+            self._metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - open for the run; close() ends it
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
 
@@ -196,7 +196,7 @@ class QuietRunLog(RunLog):
     nothing, also where it runs as the only process.
     """
 
-    def __init__(self, rank: int) -> None:  # noqa: D107 - no files, no stream
+    def __init__(self, rank: int) -> None:  # no files, no stream
         self.rank = rank
         self._bar = None
         self._metrics = None

@@ -227,7 +227,7 @@ def start_trackers(specs: list[str], run_dir: Path, config: dict[str, Any], star
                 identities[spec] = dict(tracker.start(run) or {})
             except UsageError:
                 raise
-            except Exception as error:  # noqa: BLE001 - any failure to start is the user's to see, in one line
+            except Exception as error:  # any failure to start is the user's to see, in one line
                 raise UsageError("--tracker", spec, f"a tracker that starts ({type(error).__name__}: "
                                  f"{str(error).splitlines()[0] if str(error) else ''})",
                                  "check its settings, or leave it out of --tracker") from error

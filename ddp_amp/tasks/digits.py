@@ -46,7 +46,8 @@ def read_options(options: dict[str, str]) -> dict[str, int]:
     if values["hidden"] < 1:
         raise UsageError("--task-opt hidden", values["hidden"], "an integer >= 1", "e.g. --task-opt hidden=128")
     if not 1 <= values["held_out"] <= 90:
-        raise UsageError("--task-opt held_out", values["held_out"], "a percentage from 1 to 90", "e.g. --task-opt held_out=30")
+        raise UsageError("--task-opt held_out", values["held_out"], "a percentage from 1 to 90",
+                         "e.g. --task-opt held_out=30")
     return values
 
 

@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ddp_amp import LoaderRequest, Task, TrainConfig
+from ddp_amp.tasks import LoaderFactory
 
 FEATURES = 6
 
@@ -20,7 +21,7 @@ def teacher_data(items: int) -> TensorDataset:
     return TensorDataset(inputs, inputs @ torch.randn(FEATURES, 1, generator=generator))
 
 
-def _task(make_loader, items: int = 96) -> Task:  # noqa: ANN001
+def _task(make_loader: LoaderFactory, items: int = 96) -> Task:
     return Task(model=nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 1)),
                 make_loader=make_loader, loss_fn=nn.functional.mse_loss, default_lr=0.05,
                 make_scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5),

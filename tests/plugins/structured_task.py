@@ -35,7 +35,8 @@ class _Items(Dataset):
         return len(self.left)
 
     def __getitem__(self, index: int) -> tuple[Any, torch.Tensor]:
-        return self.kind(self.left[index], self.right[index]), (self.left[index] - self.right[index]).sum(0, keepdim=True)
+        target = (self.left[index] - self.right[index]).sum(0, keepdim=True)
+        return self.kind(self.left[index], self.right[index]), target
 
 
 class _TwoInputs(nn.Module):
