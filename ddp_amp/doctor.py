@@ -51,7 +51,7 @@ def check_srun(environ: Mapping[str, str]) -> list[Finding]:
 
 def check_master_addr(env: DistEnv) -> list[Finding]:
     try:
-        addresses = sorted({info[4][0] for info in socket.getaddrinfo(env.master_addr, env.master_port)})
+        addresses = sorted({str(info[4][0]) for info in socket.getaddrinfo(env.master_addr, env.master_port)})
     except socket.gaierror as error:
         return [("error", f"MASTER_ADDR {env.master_addr!r} does not resolve ({error.strerror}); "
                  "use a host name every node can resolve, e.g. the first of `scontrol show hostnames`")]
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.probe and env is not None and not env.is_distributed:
             print("  probe: one process, nothing to all-reduce")
         return 1 if errors else 0
-    ctx = init_distributed(env, args.device, args.backend, args.timeout)  # type: ignore[arg-type]
+    ctx = init_distributed(env, args.device, args.backend, args.timeout)
     try:
         reports = all_gather_objects(format_report(facts, findings))
         result = probe(ctx, args.probe_mb, args.iters)

@@ -99,46 +99,49 @@ class OverflowCounters:
         if len(self._flags) >= FOLD_EVERY:
             self.fold()
 
-    def _ensure(self, device: torch.device) -> None:
-        if self.total is not None and self.total.device != device:  # read before the first step
-            self.total, self.streak = self.total.to(device), self.streak.to(device)
-            self.floor_streak, self._worst = self.floor_streak.to(device), self._worst.to(device)
-        if self.total is None:
+    def _ensure(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The counts (total, streak, floor streak, worst) on `device`, made on first use."""
+        if self.total is None or self.streak is None or self.floor_streak is None or self._worst is None:
             total, streak, floor_streak = self._loaded
-            self.total = torch.tensor(total, dtype=torch.int64, device=device)
-            self.streak = torch.tensor(streak, dtype=torch.int64, device=device)
-            self.floor_streak = torch.tensor(floor_streak, dtype=torch.int64, device=device)
-            self._worst = torch.zeros(2, dtype=torch.int64, device=device)
+            counts = (torch.tensor(total, dtype=torch.int64, device=device),
+                      torch.tensor(streak, dtype=torch.int64, device=device),
+                      torch.tensor(floor_streak, dtype=torch.int64, device=device),
+                      torch.zeros(2, dtype=torch.int64, device=device))
+        elif self.total.device != device:  # read before the first step
+            counts = (self.total.to(device), self.streak.to(device), self.floor_streak.to(device),
+                      self._worst.to(device))
+        else:
+            counts = (self.total, self.streak, self.floor_streak, self._worst)
+        self.total, self.streak, self.floor_streak, self._worst = counts
+        return counts
 
     def fold(self) -> None:
         """Fold the steps recorded since the last fold into the counts (device ops only)."""
         if not self._flags:
             return
         device = self._flags[0].device
-        self._ensure(device)
+        total, streak, floor_streak, worst = self._ensure(device)
         flags = torch.stack(self._flags).to(device, torch.int64).reshape(-1)
-        runs = _runs_of_ones(flags, self.streak)
+        runs = _runs_of_ones(flags, streak)
         if self._scales and len(self._scales) == len(self._flags):
             at_floor = (torch.stack(self._scales).reshape(-1).to(device) <= self._min_scale).to(torch.int64)
-            floor_runs = _runs_of_ones(flags * at_floor, self.floor_streak)
+            floor_runs = _runs_of_ones(flags * at_floor, floor_streak)
         else:
             floor_runs = torch.zeros_like(runs)
-        self.total = self.total + flags.sum()
+        self.total = total + flags.sum()
         self.streak, self.floor_streak = runs[-1], floor_runs[-1]
-        self._worst = torch.maximum(self._worst, torch.stack([runs.max(), floor_runs.max()]))
+        self._worst = torch.maximum(worst, torch.stack([runs.max(), floor_runs.max()]))
         self._flags, self._scales = [], []
 
     def skipped_total(self, device: torch.device) -> torch.Tensor:
         """0-d int tensor: skipped steps so far (folds; no host sync)."""
         self.fold()
-        self._ensure(device)
-        return self.total
+        return self._ensure(device)[0]
 
     def current_streak(self, device: torch.device) -> torch.Tensor:
         """0-d int tensor: consecutive skipped steps up to the last recorded one (folds)."""
         self.fold()
-        self._ensure(device)
-        return self.streak
+        return self._ensure(device)[1]
 
     def restore_total(self, count: int) -> None:
         """Set the skipped-step total, as a resumed run continues the count it saved."""
@@ -159,7 +162,7 @@ class OverflowCounters:
 
     def state_dict(self) -> dict[str, int]:
         self.fold()
-        if self.streak is None:
+        if self.streak is None or self.floor_streak is None:
             return {"overflow_streak": self._loaded[1], "floor_streak": self._loaded[2]}
         return {"overflow_streak": int(self.streak.item()), "floor_streak": int(self.floor_streak.item())}
 
@@ -167,7 +170,7 @@ class OverflowCounters:
         self.fold()
         streaks = (int(state.get("overflow_streak", 0)), int(state.get("floor_streak", 0)))
         self._loaded = (self._loaded[0], *streaks)
-        if self.streak is not None:
+        if self.streak is not None and self.floor_streak is not None:
             self.streak = torch.full_like(self.streak, streaks[0])
             self.floor_streak = torch.full_like(self.floor_streak, streaks[1])
 

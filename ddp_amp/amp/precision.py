@@ -43,11 +43,11 @@ class _Region(torch.autocast):
 
     def __enter__(self) -> _Region:
         self.in_use = True
-        return super().__enter__()  # type: ignore[return-value]
+        return super().__enter__()
 
     def __exit__(self, *exc: Any) -> bool:
         self.in_use = False
-        return super().__exit__(*exc)  # type: ignore[no-any-return]
+        return super().__exit__(*exc)
 
 
 def _region(device_type: str, dtype: torch.dtype, enabled: bool) -> AbstractContextManager[Any]:

@@ -103,7 +103,7 @@ def on_rank_zero(work: Callable[[], T]) -> T:
     status, value = pickle.loads(payload)
     if status == "error":
         raise mark_agreed(value, 0)
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def on_every_rank(work: Callable[[], T]) -> T:

@@ -56,7 +56,7 @@ def published_failure(store: dist.Store | None) -> dict[str, Any] | None:
         return None
     try:
         if store.check([FAILURE_KEY]):
-            return json.loads(store.get(FAILURE_KEY))  # type: ignore[no-any-return]
+            return json.loads(store.get(FAILURE_KEY))
     except Exception:  # noqa: BLE001 - a dead store tells nothing
         return None
     return None

@@ -112,7 +112,7 @@ class OverflowProbe:
             return
         for name, param in self._params:
             check = param.register_post_accumulate_grad_hook(
-                lambda p, name=name: self._check(name, p))  # type: ignore[misc]
+                lambda p, name=name: self._check(name, p))
             self._handles += [check, param.register_hook(_moves_last(check))]
 
     def disarm(self) -> None:
