@@ -93,7 +93,7 @@ def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: in
     """Collective: every rank builds and runs the same comparisons in the same order."""
     precision = Precision(precision_name, ctx.device.type)  # type: ignore[arg-type]
     batches = make_batches(size, N_BATCHES, ctx.device, seed=1 + ctx.rank)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, off, on, note in comparisons(ctx.device, ctx.has_group, with_compile):
         if on is None:
             rows.append({"name": name, "skipped": note})

@@ -45,11 +45,11 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     return holder[0]
 
 
-def all_gather_objects(obj: object) -> list[object]:
-    """Every rank's picklable object, in rank order (collective)."""
+def all_gather_objects(obj: T) -> list[T]:
+    """Every rank's picklable object, in rank order (collective); each of the type of `obj`."""
     if not has_peers():
         return [obj]
-    gathered: list[object] = [None] * dist.get_world_size()
+    gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
 
@@ -126,5 +126,5 @@ def on_every_rank(work: Callable[[], T]) -> T:
         raise mark_agreed(local_error, dist.get_rank())
     if failures:
         origin, first = failures[0]
-        raise mark_agreed(first, origin)  # type: ignore[arg-type]
+        raise mark_agreed(first, origin)
     return result  # type: ignore[return-value]

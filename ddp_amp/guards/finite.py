@@ -92,8 +92,8 @@ class FiniteStateGuard:
         weights_bad = bool(params) and not bool(torch.stack([torch.isfinite(local_part(p)).all()
                                                              for p in params]).all())
         found = all_gather_objects((self.first_bad_step, weights_bad))
-        bad_steps = sorted(first for first, _ in found if first >= 0)  # type: ignore[misc]
-        bad_ranks = [rank for rank, (_, bad) in enumerate(found) if bad]  # type: ignore[misc]
+        bad_steps = sorted(first for first, _ in found if first >= 0)
+        bad_ranks = [rank for rank, (_, bad) in enumerate(found) if bad]
         if not bad_steps and not bad_ranks:
             return
         where = f"the loss first went non-finite at step {bad_steps[0]}" if bad_steps else \

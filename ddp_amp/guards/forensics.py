@@ -154,14 +154,14 @@ class OverflowProbe:
         """Gather every rank's findings since the last report into one record (collective)."""
         gathered = all_gather_objects(self._local_summary())
         self._reset()
-        ranks = [g["rank"] for g in gathered if g["nonfinite"]]  # type: ignore[index]
+        ranks = [g["rank"] for g in gathered if g["nonfinite"]]
         return {
             "event": "overflow",
             "step": step,
             "skipped": skipped,
-            "checked": all(g["checked"] for g in gathered),  # type: ignore[index]
+            "checked": all(g["checked"] for g in gathered),
             "ranks": ranks,
-            "params": {str(g["rank"]): g["params"] for g in gathered if g["nonfinite"]},  # type: ignore[index]
+            "params": {str(g["rank"]): g["params"] for g in gathered if g["nonfinite"]},
             **({"sharded": True} if self.sharded else {}),
         }
 

@@ -76,7 +76,7 @@ def check_rank_sync(named_params: Sequence[tuple[str, nn.Parameter]], scaler: Ag
     reference = gathered[0]
     problems = {}
     for rank, other in enumerate(gathered[1:], start=1):
-        found = _differences(other, reference)  # type: ignore[arg-type]
+        found = _differences(other, reference)
         if found:
             problems[rank] = found
     if problems:
