@@ -32,8 +32,8 @@ import pytest
 import torch
 
 from ddp_amp import TrainConfig
+from ddp_amp.data.iterable_stream import RankShard
 from ddp_amp.trainer import build_trainer, session_for
-from ddp_amp.trainer.iterable_stream import RankShard
 from examples.word_lm import DEFAULT_LR, CarriedHidden, ChunkGrid, ChunkStream
 from tests.multiproc import REPO_ROOT, cli_env, run_train
 from tests.test_host_reads import HostReadCounter

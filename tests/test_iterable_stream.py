@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from ddp_amp.trainer.iterable_stream import RankShard, iterable_stream
+from ddp_amp.data.iterable_stream import RankShard, iterable_stream
 from tests.multiproc import run_train
 from tests.plugins.stream_task import TeacherStream
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ddp_amp import DistContext, DistEnv, LoaderRequest, UsageError
-from ddp_amp.trainer.loader_stream import LoaderStream
-from ddp_amp.trainer.task_loader import task_loader_stream
+from ddp_amp.data.loader_stream import LoaderStream
+from ddp_amp.data.task_loader import task_loader_stream
 from tests.multiproc import run_train
 from tests.plugins import own_loader_task
 

@@ -16,6 +16,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
+# What a task's make_loader is given: defined with the streams that build it, imported from here.
+from ddp_amp.data import LoaderFactory as LoaderFactory
+from ddp_amp.data import LoaderRequest as LoaderRequest
 from ddp_amp.distributed import Units
 from ddp_amp.errors import UsageError
 
@@ -33,24 +36,6 @@ FinalizeFn = Callable[[dict[str, float]], dict[str, float]]
 # step_fn(model, batch) -> the loss, or a mapping with "loss" and other scalars to log: a
 # task's own step, for batches and forwards of any shape (trainer/batch_loss.py).
 StepFn = Callable[[nn.Module, Any], Any]
-
-
-@dataclass(frozen=True)
-class LoaderRequest:
-    """What `Task.make_loader` is told about the rank it builds a loader for."""
-
-    rank: int
-    world_size: int
-    micro_batch_size: int  # items per batch on this rank: --batch-size / (world size x --grad-accum)
-    num_workers: int  # --num-workers
-    seed: int  # --seed: for a sampler's shuffle (DistributedSampler(seed=...))
-    device: torch.device  # where batches go: pin_memory=device.type == "cuda" pays there
-    # Makes DataLoader workers ignore the signals the main process handles (preemption);
-    # pass it on as worker_init_fn, or call it first in your own.
-    worker_init_fn: Callable[[int], None]
-
-
-LoaderFactory = Callable[[LoaderRequest], Iterable[Any]]
 
 BUILTIN_TASKS: dict[str, str] = {
     "mlp": "ddp_amp.tasks.mlp:make_task",
@@ -99,7 +84,7 @@ class Task:
     # Instead of train_data: make_loader(LoaderRequest) -> this rank's loader of training
     # micro-batches, sharded by the task (a DistributedSampler, say), with state_dict() and
     # load_state_dict() for an exact resume (torchdata's StatefulDataLoader). One pass over
-    # it is an epoch. trainer/task_loader.py.
+    # it is an epoch. ddp_amp/data/task_loader.py.
     make_loader: LoaderFactory | None = None
     # Tokens in one training item (a language model's sequence length): the log's
     # tokens_per_s is samples/s times this; 0 = the task has no tokens.

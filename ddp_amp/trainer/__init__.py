@@ -7,9 +7,6 @@
 - `cadences`: what runs between steps (evaluation, logging, checkpoints, the preemption stop);
 - `build`: the one way to build it (`build_trainer`, `prepare_task`, `seed_everything`);
 - `options`: the run's options taken apart into each component's (`session_for`, ...);
-- `streams`: which resumable stream a task's data becomes (`stream`: a map-style dataset's
-  shuffled shard; `loader_stream`: a stateful loader's passes, under an iterable dataset
-  (`iterable_stream`) and a task's own `make_loader` (`task_loader`));
 - `batch_loss`: how a micro-batch becomes a loss (loss_fn, the task's step_fn, or the model's own);
 - `best`: `--keep-best`'s checkpoint by an eval metric, and the test pass;
 - `schedules`: when the task's LR scheduler steps (each taken step, each epoch, or after each

@@ -126,6 +126,7 @@ class RunCheckpoints:
         """What a resume checks before it loads any tensor."""
         stream = self.parts.stream
         return {"saved_by": "ddp_amp.Trainer", "step": step, "micro_batch_size": stream.micro_batch_size,
+                "dp_size": self.session.ctx.dp_size,  # what the data position is a position over
                 "batches_per_epoch": stream.batches_per_epoch, "optimizer_class": self.parts.optimizer_names(),
                 "config": self.config}
 

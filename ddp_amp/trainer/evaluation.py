@@ -1,8 +1,8 @@
 """The task's metric on its held-out data, exact over any number of ranks (collective).
 
-Every item is scored exactly once over all ranks (a strided shard, no padding), and each
-metric's sum and count are added up over batches and ranks before the division, so the
-result does not depend on the world size. A task with held-out data but no `metric` or
+Every item is scored exactly once over the data-parallel ranks (a strided shard, no
+padding), and each metric's sum and count are added up over batches and ranks before the
+division, so the result does not depend on the world size. A task with held-out data but no `metric` or
 `eval_fn` is scored by its loss (its `loss_fn`, or the model's own `.loss`), weighted by
 each batch's items: `eval_loss`, the mean over all items.
 
@@ -20,11 +20,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from ddp_amp.data import collate
 from ddp_amp.distributed import DistContext, all_reduce_, to_device
 from ddp_amp.errors import UsageError
 from ddp_amp.tasks import Task
 from ddp_amp.trainer.batch_loss import BatchLoss
-from ddp_amp.trainer.stream import collate
 
 
 @torch.no_grad()
@@ -44,7 +44,9 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: Dist
     if data is None:
         return {}
     score = _scorer(task)
-    sampler = range(ctx.rank, len(data), ctx.world_size)  # type: ignore[arg-type]
+    # Strided over the data-parallel ranks: ranks that differ only in a model-parallel
+    # dimension score the same items, and the all-reduced sums and counts scale alike.
+    sampler = range(ctx.dp_rank, len(data), ctx.dp_size)  # type: ignore[arg-type]
     # A held-out set smaller than the world leaves some ranks no item; they still have
     # to join one all-reduce per metric name, so they score item 0 and add it at weight 0.
     weight = 1.0 if len(sampler) else 0.0
@@ -70,7 +72,7 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: Dist
             add(batch, weight)
             done += 1
         if collective_forward:  # as many as the rank with the most: its share rounded up, in batches
-            most = math.ceil(math.ceil(len(data) / ctx.world_size) / micro_batch_size)  # type: ignore[arg-type]
+            most = math.ceil(math.ceil(len(data) / ctx.dp_size) / micro_batch_size)  # type: ignore[arg-type]
             for _ in range(most - done):
                 add(first, 0.0)
     finally:

@@ -26,6 +26,7 @@ from torch import nn
 from ddp_amp.amp import AgreedGradScaler, AutocastModule
 from ddp_amp.checkpoint import choose_checkpoint
 from ddp_amp.config import TrainConfig
+from ddp_amp.data import make_stream
 from ddp_amp.distributed import all_reduce_, describe_units, shard_units
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import PreemptionWatch, RunWatch, stop_for_preemption, worker_ignores
@@ -42,7 +43,6 @@ from ddp_amp.trainer.options import watch_options
 from ddp_amp.trainer.profiling import ProfileWindow
 from ddp_amp.trainer.resume import TrainingParts, scale_learning_rates
 from ddp_amp.trainer.schedules import SchedulerDriver
-from ddp_amp.trainer.streams import make_stream
 
 _NOTHING = nullcontext()  # reusable: nullcontext keeps no state
 # What log_record writes itself: a step_fn's extra scalars may not take these names.
@@ -103,7 +103,8 @@ class Trainer:
         self.clip_grad_norm = config.clip_grad_norm or task.default_clip_grad_norm or None
         self.preemption = PreemptionWatch(config.preempt_signal, self.device, config.preempt_check_s, ctx.has_group,
                                           stop_signums=config.stop_signal)
-        self.stream = make_stream(task, ctx, config.micro_batch_size(ctx.world_size), config.num_workers, config.seed,
+        self.stream = make_stream(task.train_data, task.make_loader, task.schedule_on, ctx,
+                                  config.micro_batch_size(ctx.dp_size), config.num_workers, config.seed,
                                   worker_ignores(self.preemption.signums))
         self.schedule = SchedulerDriver(self.scheduler, session.scaler, task.schedule_on, self.stream) \
             if self.scheduler else None
@@ -298,7 +299,7 @@ class Trainer:
     def evaluate(self, data: Any = None, prefix: str = "eval_") -> dict[str, float]:
         """The task's metric on its eval data (or `data`): under autocast, no scaler, all ranks (collective)."""
         return evaluate(self.task, self.session.local_module(self.model), self.model, self.session.ctx,
-                        self.config.micro_batch_size(self.session.world_size), data=data, prefix=prefix,
+                        self.config.micro_batch_size(self.session.ctx.dp_size), data=data, prefix=prefix,
                         collective_forward=self.session.sharded)
 
     def eval_record(self) -> dict[str, Any]:

@@ -21,11 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddp_amp.data import Stream
 from ddp_amp.distributed import to_device
 from ddp_amp.errors import UsageError
 from ddp_amp.session import SavedState, Session
-from ddp_amp.trainer.loader_stream import LoaderStream
-from ddp_amp.trainer.stream import BatchStream
 
 
 @dataclass
@@ -35,12 +34,12 @@ class TrainingParts:
     model: nn.Module  # as set up by the session (wrapped)
     optimizers: tuple[torch.optim.Optimizer, ...]  # usually one; a task may make several
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
-    stream: BatchStream | LoaderStream
+    stream: Stream
     task_state: Any = None  # Task.state: state_dict() / load_state_dict(), one per rank
 
     @property
     def per_rank_position(self) -> bool:
-        return bool(getattr(self.stream, "per_rank_position", False))
+        return self.stream.per_rank_position
 
     def optimizer_names(self) -> str:
         """'AdamW', or 'SGD+Adam' for several: a resume compares it before loading any state."""
@@ -91,25 +90,27 @@ def check_model_shapes(path: Path, model: nn.Module, saved: dict[str, tuple[int,
                          "run was saved with, or --resume none / another --run-dir to start fresh")
 
 
-def map_data_position(meta: dict[str, Any], position: dict[str, int], world_size: int,
+def map_data_position(meta: dict[str, Any], position: dict[str, int], dp_size: int,
                       micro_batch_size: int, batches_per_epoch: int, path: str = "checkpoint") -> dict[str, int]:
-    """The stream position for this world size, or UsageError if it does not map exactly.
+    """The stream position for `dp_size` data-parallel ranks, or UsageError if it does not
+    map exactly.
 
     DistributedSampler deals one permutation out round-robin, so after j micro-batches of m
-    on each of W ranks exactly the first W*j*m samples of the epoch are used. Another world
-    size continues from the same sample only if W'*m' divides that count.
+    on each of W data-parallel ranks exactly the first W*j*m samples of the epoch are used.
+    Another number of ranks continues from the same sample only if W'*m' divides that count.
+    A checkpoint without `dp_size` in its meta was saved where every rank was data parallel.
     """
-    saved_world = int(meta["world_size"])
-    if saved_world == world_size and int(meta["micro_batch_size"]) == micro_batch_size:
+    saved_world = int(meta.get("dp_size", meta["world_size"]))
+    if saved_world == dp_size and int(meta["micro_batch_size"]) == micro_batch_size:
         return dict(position)
     epoch, batch = int(position["epoch"]), int(position["batch_in_epoch"])
     if batch >= int(meta["batches_per_epoch"]):  # at an epoch's end: the next one starts clean
         epoch, batch = epoch + 1, 0
     used = saved_world * int(meta["micro_batch_size"]) * batch
-    per_batch = world_size * micro_batch_size
+    per_batch = dp_size * micro_batch_size
     if used % per_batch:
         raise UsageError("--resume", path,
-                         f"a checkpoint whose data position maps onto {world_size} rank(s) "
+                         f"a checkpoint whose data position maps onto {dp_size} rank(s) "
                          f"({used} samples into epoch {epoch}, not a multiple of {per_batch})",
                          f"resume with {saved_world} rank(s) as saved, or pick a checkpoint at an "
                          "epoch boundary, or --resume none")
@@ -135,7 +136,7 @@ class _Fit:
     optimizer: bool  # load the saved optimizer state
 
 
-def _fits(saved: SavedState, parts: TrainingParts, rank: int, world_size: int,
+def _fits(saved: SavedState, parts: TrainingParts, rank: int, world_size: int, dp_size: int,
           optimizer_may_change: bool) -> _Fit:
     """Check, on every rank, that `saved` resumes this run; raise UsageError where it does not."""
     path = saved.path
@@ -159,8 +160,9 @@ def _fits(saved: SavedState, parts: TrainingParts, rank: int, world_size: int,
     if position is None:  # written by a loop of the user's own: no position to map
         return _Fit(None, optimizer)
     stream = parts.stream
-    return _Fit(map_data_position(saved.meta, position, world_size, stream.micro_batch_size,
-                                  stream.batches_per_epoch, str(path)), optimizer)
+    return _Fit(map_data_position(saved.meta, position, dp_size, stream.micro_batch_size,
+                                  # a shared position is a map-style shard's, whose pass length is known
+                                  stream.batches_per_epoch, str(path)), optimizer)  # type: ignore[arg-type]
 
 
 def restore_training_state(session: Session, path: Path, parts: TrainingParts, notice: Callable[[str], None],
@@ -170,8 +172,8 @@ def restore_training_state(session: Session, path: Path, parts: TrainingParts, n
     Any rank's refusal (unreadable, another model or optimizer, a data position that does
     not map onto this world) is raised on every rank before anything is applied.
     """
-    rank, world_size = session.rank, session.world_size
-    saved, fit = session.read(path, lambda saved: _fits(saved, parts, rank, world_size, optimizer_may_change))
+    rank, world_size, dp_size = session.rank, session.world_size, session.ctx.dp_size
+    saved, fit = session.read(path, lambda saved: _fits(saved, parts, rank, world_size, dp_size, optimizer_may_change))
     state: dict[str, Any] = {"model": parts.model}
     if fit.optimizer:  # type: ignore[union-attr]
         state["optimizer"] = parts.optimizer_state()

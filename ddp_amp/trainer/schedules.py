@@ -16,13 +16,12 @@ from __future__ import annotations
 from typing import Any
 
 from ddp_amp.amp import AgreedGradScaler
+from ddp_amp.data import Stream
 from ddp_amp.trainer.evaluation import metric_of
 from ddp_amp.trainer.lr_steps import TakenStepScheduler
-from ddp_amp.trainer.loader_stream import LoaderStream
-from ddp_amp.trainer.stream import BatchStream
 
 
-def _completed_epochs(stream: BatchStream | LoaderStream) -> int:
+def _completed_epochs(stream: Stream) -> int:
     if stream.batches_per_epoch is None:  # a pass of unknown length: over when the next one starts
         return stream.epoch
     return stream.epoch + (1 if stream.batch_in_epoch >= stream.batches_per_epoch else 0)
@@ -31,7 +30,7 @@ def _completed_epochs(stream: BatchStream | LoaderStream) -> int:
 class SchedulerDriver:
     """Steps `scheduler` at the task's cadence; the Trainer calls every hook, each does its part."""
 
-    def __init__(self, scheduler: Any, scaler: AgreedGradScaler, schedule_on: str, stream: BatchStream | LoaderStream) -> None:
+    def __init__(self, scheduler: Any, scaler: AgreedGradScaler, schedule_on: str, stream: Stream) -> None:
         self.scheduler, self.stream = scheduler, stream
         self.kind, _, self.metric = schedule_on.partition(":")
         self.per_step = TakenStepScheduler(scheduler, scaler) if self.kind == "step" else None

@@ -1,9 +1,10 @@
 """Micro-batches from an `IterableDataset` (a stream: tokenized shards, a streaming dataset),
 with per-rank sharding and an exact resume, through torchdata's `StatefulDataLoader`.
 
-Sharding: the dataset yields the whole stream in every process; item k goes to rank r and
-DataLoader worker w when `k % (ranks x workers) == r x workers + w`. Every item is used
-once per pass, by one process, whatever the number of ranks and workers. A dataset must
+Sharding: the dataset yields the whole stream in every process; item k goes to data-parallel
+rank r and DataLoader worker w when `k % (ranks x workers) == r x workers + w`. Every item is
+used once per pass, by one data-parallel rank's worker, whatever the number of ranks and
+workers (ranks that share a data-parallel rank read the same items). A dataset must
 therefore not shard itself (by `get_worker_info` or by rank).
 
 An epoch is one pass over the stream; the next pass starts when a rank's share is used
@@ -27,11 +28,12 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ddp_amp.trainer.loader_stream import LoaderStream
+from ddp_amp.data.loader_stream import LoaderStream
 
 
 class RankShard(IterableDataset):
-    """`dataset`'s items for one rank, split again over that rank's DataLoader workers."""
+    """`dataset`'s items for one data-parallel rank (`rank` of `world_size`), split again over
+    that rank's DataLoader workers."""
 
     def __init__(self, dataset: IterableDataset, rank: int, world_size: int) -> None:
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
@@ -48,7 +50,8 @@ class RankShard(IterableDataset):
 def iterable_stream(dataset: IterableDataset, micro_batch_size: int, rank: int, world_size: int,
                     device: torch.device, num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
                     worker_init_fn: Callable[[int], None] | None = None) -> LoaderStream:
-    """An endless stream of micro-batches for one rank over passes of an iterable dataset."""
+    """An endless stream of micro-batches for one rank over passes of an iterable dataset;
+    `rank` and `world_size` are the data-parallel rank and size."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     # Its warning on each resume asks the dataset for a state_dict; the replay it

@@ -1,16 +1,16 @@
-"""An endless, resumable stream of per-rank micro-batches over epochs.
+"""An endless, resumable stream of per-rank micro-batches of a map-style dataset, over epochs.
 
-Each epoch draws its order from a `DistributedSampler` with `set_epoch(epoch)`, so every
-rank sees a disjoint shard and the order changes per epoch but is the same for a given
-seed. The position (epoch, micro-batch within the epoch) is part of a checkpoint, and
+Each epoch draws its order from a `DistributedSampler` with `set_epoch(epoch)` over the
+data-parallel ranks, so every data-parallel rank sees a disjoint shard (ranks that share a
+data-parallel rank see the same one), and the order changes per epoch but is the same for
+a given seed. The position (epoch, micro-batch within the epoch) is part of a checkpoint, and
 `load_state_dict` resumes at exactly that micro-batch.
 
 Map-style data keeps this small stream rather than torchdata's `StatefulDataLoader` (which
 carries iterable data and a task's own loader, loader_stream.py): its position is one pair
 of numbers shared by all ranks, so a resume starts at the saved sample without replaying
-the epoch, and maps onto another world size where the sample count divides
-(resume.py's `map_data_position`); a stateful loader's state is per rank and
-per world size.
+the epoch, and maps onto another number of data-parallel ranks where the sample count
+divides (the Trainer's resume maps it); a stateful loader's state is per rank and per world size.
 """
 
 from __future__ import annotations
@@ -53,7 +53,10 @@ def collate(items: list[Any]) -> Any:
 
 
 class BatchStream:
-    """Micro-batches for one rank, epoch after epoch, starting at a saved position."""
+    """Micro-batches for one rank, epoch after epoch, starting at a saved position; `rank`
+    and `world_size` are the data-parallel rank and size (`DistContext.dp_rank`, `dp_size`)."""
+
+    per_rank_position = False  # one position, the same on every rank (stream.py)
 
     def __init__(self, dataset: Dataset, micro_batch_size: int, rank: int, world_size: int,
                  seed: int, device: torch.device, num_workers: int = 0, shuffle: bool = True,

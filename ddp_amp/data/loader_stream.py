@@ -49,7 +49,7 @@ def loader_length(loader: Any) -> int | None:
 class LoaderStream:
     """Micro-batches for one rank, pass after pass, from `loader`, moved to `device`."""
 
-    per_rank_position = True  # a checkpoint keeps every rank's position (trainer/checkpoints.py)
+    per_rank_position = True  # a checkpoint keeps every rank's position (stream.py)
 
     def __init__(self, loader: Iterable[Any], micro_batch_size: int, device: torch.device, source: str,
                  batches_per_epoch: int | None = None) -> None:

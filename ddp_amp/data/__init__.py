@@ -1,0 +1,44 @@
+"""The training data: one resumable stream of micro-batches per rank, sharded by the
+device mesh's data-parallel rank and size (`DistContext.dp_rank` / `dp_size`), never the
+world rank, so ranks that differ only in a model-parallel dimension read the same batches.
+
+Which stream a task's data becomes (`make_stream`):
+- a task's own loader (`make_loader`), sharded by the task (task_loader.py);
+- an `IterableDataset`: strided over data-parallel ranks and workers, resumed by replay
+  (iterable_stream.py);
+- a map-style dataset: a shuffled shard per data-parallel rank, resumed by position, and
+  mappable onto another number of ranks (batches.py).
+The first two keep a position per rank (loader_stream.py); a checkpoint saves every rank's.
+All of them keep the `Stream` contract (stream.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch.utils.data import Dataset, IterableDataset
+
+from ddp_amp.data.batches import BatchStream, collate
+from ddp_amp.data.iterable_stream import RankShard, iterable_stream
+from ddp_amp.data.loader_stream import LoaderStream
+from ddp_amp.data.stream import Stream
+from ddp_amp.data.task_loader import LoaderFactory, LoaderRequest, task_loader_stream
+from ddp_amp.distributed import DistContext
+
+__all__ = ["BatchStream", "LoaderFactory", "LoaderRequest", "LoaderStream", "RankShard", "Stream", "collate",
+           "iterable_stream", "make_stream", "task_loader_stream"]
+
+
+def make_stream(train_data: Dataset | None, make_loader: LoaderFactory | None, schedule_on: str, ctx: DistContext,
+                micro_batch_size: int, num_workers: int, seed: int, worker_init_fn: Callable[[int], None]) -> Stream:
+    """This rank's stream over a task's training data: its own loader where `make_loader` is
+    given (collective: its pass lengths are compared), else `train_data`. `schedule_on` is
+    the task's LR cadence; `worker_init_fn` goes to every DataLoader worker."""
+    if make_loader is not None:
+        return task_loader_stream(make_loader, schedule_on, ctx, ctx.device, micro_batch_size, num_workers,
+                                  seed, worker_init_fn)
+    if isinstance(train_data, IterableDataset):
+        return iterable_stream(train_data, micro_batch_size, ctx.dp_rank, ctx.dp_size, ctx.device, num_workers,
+                               collate_fn=collate, worker_init_fn=worker_init_fn)
+    return BatchStream(train_data, micro_batch_size, ctx.dp_rank, ctx.dp_size, seed, ctx.device,  # type: ignore[arg-type]
+                       num_workers, worker_init_fn=worker_init_fn)
