@@ -221,7 +221,7 @@ def _own_connection(store: dist.Store) -> dist.Store:
     """A second client of the group's store with a short timeout; the store itself where it
     cannot be cloned (a store made by someone else)."""
     try:
-        client = store.clone()
+        client = store.clone()  # type: ignore[attr-defined]  # Store.clone is missing from torch's stubs
     except (RuntimeError, AttributeError):
         return store
     client.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
