@@ -166,11 +166,11 @@ class AgreedGradScaler(torch.amp.GradScaler):
             grad_scale = earlier  # unscale_ already divided the gradients
         else:
             grad_scale = scale if earlier is None else scale * earlier
-        optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf  # type: ignore[attr-defined]
+        optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf  # type: ignore[attr-defined]  # fused-step protocol, as torch does
         try:
             result = optimizer.step(*args, **kwargs)
         finally:
-            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]  # set just above
         state["stage"] = OptState.STEPPED
         return result
 

@@ -65,7 +65,7 @@ def trainer_on_batches(ctx: DistContext, model: nn.Module, loss_fn: Callable[[An
     targets = torch.cat([y.cpu() for _, y in batches])
     task = Task(model=model, train_data=TensorDataset(inputs, targets), loss_fn=loss_fn, name="bench")
     trainer = build_trainer(session_for(config).start(), config, task=task)
-    trainer.stream = itertools.cycle(batches)  # type: ignore[assignment]
+    trainer.stream = itertools.cycle(batches)  # type: ignore[assignment]  # the loop only iterates it
     return trainer
 
 
