@@ -138,9 +138,9 @@ def diagnose(environ: Mapping[str, str], device: str = "auto", backend: str = "a
         "signals": signal_meanings(TrainConfig()),
     }
     try:
-        chosen = resolve_device(device, env, backend)  # type: ignore[arg-type]
+        chosen = resolve_device(device, env, backend)  # type: ignore[arg-type]  # CLI str, checked at run time
         facts["device"] = str(chosen)
-        facts["backend"] = resolve_backend(backend, chosen) if env.is_distributed else "none (one process)"  # type: ignore[arg-type]
+        facts["backend"] = resolve_backend(backend, chosen) if env.is_distributed else "none (one process)"  # type: ignore[arg-type]  # CLI str, checked
         auto = resolve_precision("auto", chosen)
         facts["precision_auto"] = f"{auto.name} ({auto.reason})"
         why_no_fp8 = fp8_unavailable(chosen, emulate=False)

@@ -161,7 +161,8 @@ def storable_tensors(state: Mapping[str, Any]) -> ExportedTensors:
 
 def export_metadata(meta: Mapping[str, Any], step: int, exported: ExportedTensors) -> dict[str, str]:
     """safetensors metadata (string -> string): where the weights came from."""
-    config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    given = meta.get("config")
+    config: Mapping[str, Any] = given if isinstance(given, dict) else {}
     metadata = {
         "format": "pt",  # what Hugging Face loaders look for in a PyTorch safetensors file
         "step": str(step),

@@ -107,8 +107,7 @@ def write_plots(runs: list[RunSeries], out_dir: Path) -> list[Path]:
                 # Dots where there are few points, so a short run's line is still visible.
                 line = ax.plot(steps, values, label=run.label, marker="." if len(steps) < 40 else None)[0]
                 if key == "loss_scale" and run.skipped_steps:
-                    marks = [(s, _scale_at(run, s)) for s in run.skipped_steps]
-                    marks = [(s, v) for s, v in marks if v is not None]
+                    marks = [(s, v) for s in run.skipped_steps if (v := _scale_at(run, s)) is not None]
                     ax.scatter([s for s, _ in marks], [v for _, v in marks], marker="x",
                                color=line.get_color(), label=f"{run.label}: skipped steps")
             if log_axis:

@@ -72,7 +72,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             model = model.module
         elif isinstance(model, AutocastModule):
             model = model.unwrap()
-        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-            model = model._orig_mod
+        elif isinstance(compiled := getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            model = compiled
         else:
             return model

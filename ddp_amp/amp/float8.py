@@ -69,7 +69,7 @@ def _import_torchao_quietly() -> None:
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        import torchao.float8  # noqa: F401
+        import torchao.float8  # noqa: F401  # imported only to see that it loads
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)

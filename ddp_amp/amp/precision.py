@@ -22,10 +22,12 @@ import torch
 
 from ddp_amp.errors import UsageError
 from ddp_amp.amp.float8 import fp8_unavailable
-from ddp_amp.amp.scaler import AgreedGradScaler
+from ddp_amp.amp.scaler import AgreedGradScaler, scaler_options_of
 
 PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16", "fp8"]
 PRECISION_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16", "fp8")
+PrecisionName = Literal["fp32", "bf16", "fp16", "fp8"]
+_NAMES: dict[str, PrecisionName] = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}
 
 # fp8 autocasts to bf16: only the linear layers' matmuls run in float8.
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -68,7 +70,7 @@ def _region(device_type: str, dtype: torch.dtype, enabled: bool) -> AbstractCont
 class Precision:
     """A resolved precision: the name, the device type it runs on and why it was chosen."""
 
-    name: Literal["fp32", "bf16", "fp16", "fp8"]
+    name: PrecisionName
     device_type: str
     reason: str = ""
     emulate_fp8: bool = False  # fp8 through ordinary matmuls (any device; slow)
@@ -127,8 +129,20 @@ class Precision:
         return "Try a lower --lr or --clip-grad-norm 1.0."
 
     def make_scaler(self, **scaler_options: float | int) -> AgreedGradScaler:
-        """The run's one scaler: rank-agreeing under fp16, a pass-through otherwise."""
-        return AgreedGradScaler(self.device_type, enabled=self.uses_loss_scaling, **scaler_options)
+        """The run's one scaler: rank-agreeing under fp16, a pass-through otherwise.
+
+        `scaler_options`: any of `AgreedGradScaler`'s init_scale, growth_factor, backoff_factor,
+        growth_interval, hysteresis and min_scale."""
+        return AgreedGradScaler(self.device_type, enabled=self.uses_loss_scaling,
+                                **scaler_options_of(scaler_options))
+
+
+def as_precision_name(name: str) -> PrecisionName:
+    """`name` as a resolved precision's name (not "auto"); ValueError for anything else."""
+    try:
+        return _NAMES[name]
+    except KeyError:
+        raise ValueError(f"not a precision name: {name!r} (one of {', '.join(_NAMES)})") from None
 
 
 def cpu_has_native_bf16() -> bool:
@@ -183,7 +197,7 @@ def resolve_precision(choice: str, device: torch.device, emulate_fp8: bool = Fal
     reason = "requested"
     if device.type == "cpu" and not cpu_has_native_bf16():
         reason = "requested; this CPU has no native low-precision units, expect it to be slow"
-    return Precision(choice, device.type, reason)  # type: ignore[arg-type]
+    return Precision(as_precision_name(choice), device.type, reason)
 
 
 def _resolve_fp8(device: torch.device, emulate: bool) -> Precision:

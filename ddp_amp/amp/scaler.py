@@ -25,14 +25,51 @@ NCCL); DeepSpeed and Megatron-LM pay the same for the same reason.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from ddp_amp.amp.lossscale import OverflowCounters, next_scale
+
+
+class ScalerOptions(TypedDict, total=False):
+    """`AgreedGradScaler`'s tunable keyword arguments."""
+
+    init_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    hysteresis: int
+    min_scale: float
+
+
+_FLOAT_OPTIONS = ("init_scale", "growth_factor", "backoff_factor", "min_scale")
+_INT_OPTIONS = ("growth_interval", "hysteresis")
+
+
+def scaler_options_of(given: Mapping[str, float | int]) -> ScalerOptions:
+    """`given` (say `LossScaleOptions.scaler_kwargs()`) as typed `AgreedGradScaler` options;
+    TypeError names an option the scaler does not have."""
+    unknown = sorted(set(given) - set(_FLOAT_OPTIONS) - set(_INT_OPTIONS))
+    if unknown:
+        raise TypeError(f"AgreedGradScaler has no option {', '.join(map(repr, unknown))}")
+    options = ScalerOptions()
+    if "init_scale" in given:
+        options["init_scale"] = float(given["init_scale"])
+    if "growth_factor" in given:
+        options["growth_factor"] = float(given["growth_factor"])
+    if "backoff_factor" in given:
+        options["backoff_factor"] = float(given["backoff_factor"])
+    if "min_scale" in given:
+        options["min_scale"] = float(given["min_scale"])
+    if "growth_interval" in given:
+        options["growth_interval"] = int(given["growth_interval"])
+    if "hysteresis" in given:
+        options["hysteresis"] = int(given["hysteresis"])
+    return options
 
 
 class AgreedGradScaler(torch.amp.GradScaler):
@@ -129,11 +166,11 @@ class AgreedGradScaler(torch.amp.GradScaler):
             grad_scale = earlier  # unscale_ already divided the gradients
         else:
             grad_scale = scale if earlier is None else scale * earlier
-        optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf  # type: ignore[attr-defined]
+        optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf  # type: ignore[attr-defined]  # fused-step protocol, as torch does
         try:
             result = optimizer.step(*args, **kwargs)
         finally:
-            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]  # set just above
         state["stage"] = OptState.STEPPED
         return result
 

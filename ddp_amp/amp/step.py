@@ -50,13 +50,12 @@ def _stepped_params(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.T
 
 
 def amp_step(scaler: AgreedGradScaler, optimizers: Sequence[torch.optim.Optimizer], *,
-             clip_grad_norm: float | None = None, clip_params: Sequence[torch.Tensor] | None = None,
-             update: bool = True, skip_together: bool = False) -> StepResult:
+             clip_grad_norm: float | None = None, update: bool = True,
+             skip_together: bool = False) -> StepResult:
     """Unscale, clip, step each optimizer unless any rank saw inf/NaN, update once (collective).
 
-    `clip_grad_norm`: one total norm over all given optimizers' gradients (or over
-    `clip_params`, a caller's cached list of the same parameters), in real units; None
-    for no clipping. `update=False` leaves the scale alone, for all but the last call of
+    `clip_grad_norm`: one total norm over all given optimizers' gradients, in real units;
+    None for no clipping. `update=False` leaves the scale alone, for all but the last call of
     a step whose optimizers are stepped in several calls. Each optimizer skips on an inf in
     its own gradients, as torch's GradScaler does; `skip_together` makes one decision for
     all of them (the Trainer's several optimizers step together or not at all).
@@ -69,8 +68,7 @@ def amp_step(scaler: AgreedGradScaler, optimizers: Sequence[torch.optim.Optimize
     if together:
         scaler.skip_together(optimizers)
     if clip_grad_norm is not None:
-        params = clip_params if clip_params is not None else _stepped_params(optimizers)
-        grad_norm = nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        grad_norm = nn.utils.clip_grad_norm_(_stepped_params(optimizers), clip_grad_norm)
     for optimizer in optimizers:
         scaler.step(optimizer)
     if not update:

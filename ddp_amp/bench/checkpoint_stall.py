@@ -62,13 +62,16 @@ def run_checkpoint_bench(hidden: int = 1024, layers: int = 4, repeats: int = 7,
         for _ in range(repeats):
             trainer.train_step()  # a new step, so save_checkpoint really writes
             started = time.perf_counter()
-            path = trainer.checkpoints.save(trainer.step, trainer.samples_seen)
+            saved = trainer.checkpoints.save(trainer.step, trainer.samples_seen)
             stalls.append(time.perf_counter() - started)
+            if saved is None:
+                raise RuntimeError("the synchronous checkpoint save wrote nothing (checkpointing is off)")
+            path = saved
             started = time.perf_counter()
             torch.save({"model": trainer.session.unwrap(trainer.model).state_dict(),
                         "optimizer": trainer.optimizer.state_dict()}, root / "bare.pt")
             bares.append(time.perf_counter() - started)
-        state_bytes = sum(p.stat().st_size for p in path.iterdir())  # type: ignore[union-attr]
+        state_bytes = sum(p.stat().st_size for p in path.iterdir())
         ratios = [stall / bare for stall, bare in zip(stalls, bares)]
         return {
             "item": "checkpoint_save_stall",
@@ -149,7 +152,7 @@ def _async_pairs(ctx: DistContext, hidden: int, layers: int, pairs: int, directo
 def run_async_bench(hidden: int = ASYNC_HIDDEN, layers: int = ASYNC_LAYERS, pairs: int = 5,
                     directory: str | None = None, device: str = "cpu") -> dict[str, Any]:
     """Loop stall of a background save against a synchronous one, in this process."""
-    return _async_pairs(init_distributed(DistEnv(), device=device), hidden, layers, pairs,  # type: ignore[arg-type]
+    return _async_pairs(init_distributed(DistEnv(), device=device), hidden, layers, pairs,  # type: ignore[arg-type]  # str device: checked at run time
                         directory)
 
 

@@ -22,6 +22,7 @@ from ddp_amp.bench.recipe import HandLoop, RecipeSize, make_batches, seeded_mode
 from ddp_amp.bench.stats import interleave, median_ms, paired_ratio
 from ddp_amp.distributed import DistContext
 from ddp_amp.amp import Precision
+from ddp_amp.amp.precision import as_precision_name
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 Stepper = Callable[[], Any]
@@ -91,7 +92,7 @@ def _pinned_h2d(device: torch.device, size: RecipeSize, repeats: int) -> dict[st
 def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: int, steps: int,
              with_compile: bool) -> list[dict[str, Any]]:
     """Collective: every rank builds and runs the same comparisons in the same order."""
-    precision = Precision(precision_name, ctx.device.type)  # type: ignore[arg-type]
+    precision = Precision(as_precision_name(precision_name), ctx.device.type)
     batches = make_batches(size, N_BATCHES, ctx.device, seed=1 + ctx.rank)
     rows: list[dict[str, Any]] = []
     for name, off, on, note in comparisons(ctx.device, ctx.has_group, with_compile):

@@ -29,11 +29,12 @@ import torch
 from torch import nn
 
 from ddp_amp.amp import Precision
+from ddp_amp.amp.precision import as_precision_name
 from ddp_amp.bench.overhead import N_BATCHES, hand_like, make_trainer
 from ddp_amp.bench.recipe import RecipeSize, make_batches, seeded_model
 from ddp_amp.bench.stats import interleave, median_ms, paired_ratio
 from ddp_amp.bench.targets import target_fields
-from ddp_amp.distributed import DistContext
+from ddp_amp.distributed import BackendChoice, DeviceChoice, DistContext
 from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.session import Session
 
@@ -55,7 +56,9 @@ def session_loop(ctx: DistContext, precision: Precision, batches: list[tuple[tor
 
     The session joins `ctx`'s group, which stays the caller's.
     """
-    session = Session(precision.name, ctx.device.type, ctx.backend or "auto").start()  # type: ignore[arg-type]
+    device: DeviceChoice = "cuda" if ctx.device.type == "cuda" else "cpu"
+    backend: BackendChoice = "nccl" if ctx.backend == "nccl" else "gloo" if ctx.backend == "gloo" else "auto"
+    session = Session(precision.name, device, backend).start()
     model = session.setup(seeded_model(MICRO, ctx.device))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, **({"fused": True} if fused else {"foreach": True}))
     cycle = itertools.cycle(batches)
@@ -81,7 +84,7 @@ def _rows(ctx: DistContext, blocks: int, steps: int) -> list[dict[str, Any]]:
     """Collective: a Trainer row and a Session row per precision on this group (or none)."""
     rows = []
     for name in PRECISIONS:
-        precision = Precision(name, ctx.device.type)  # type: ignore[arg-type]
+        precision = Precision(as_precision_name(name), ctx.device.type)
         batches = make_batches(MICRO, N_BATCHES, ctx.device, seed=1 + ctx.rank)
         trainer = make_trainer(ctx, MICRO, precision, batches)
         hand = hand_like(ctx, MICRO, precision, trainer)

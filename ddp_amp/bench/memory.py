@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from ddp_amp.bench.table import grid
 from ddp_amp.bench.targets import target_fields
-from ddp_amp.distributed import DistContext, ShardOptions, local_numel_bytes
+from ddp_amp.distributed import BackendChoice, DeviceChoice, DistContext, ShardOptions, local_numel_bytes
 from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.session import Session
 from ddp_amp.tasks.mlp import make_model
@@ -37,7 +37,9 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _held(ctx: DistContext, width: int, layers: int, shard: ShardOptions | None) -> dict[str, int]:
     """Collective: one step of the stack, and the bytes this rank holds of its state."""
-    with Session("fp32", ctx.device.type, ctx.backend or "gloo", environ=os.environ, shard=shard) as session:
+    device: DeviceChoice = "cuda" if ctx.device.type == "cuda" else "cpu"
+    backend: BackendChoice = "nccl" if ctx.backend == "nccl" else "gloo"
+    with Session("fp32", device, backend, environ=os.environ, shard=shard) as session:
         torch.manual_seed(0)
         model = session.setup(make_model(width, width, width, layers), units=(nn.Linear,))
         plain = session.unwrap(model)

@@ -33,6 +33,7 @@ from ddp_amp.bench.targets import target_fields
 from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import DistContext
 from ddp_amp.amp import Precision
+from ddp_amp.amp.precision import as_precision_name
 from ddp_amp.tasks import Task
 from ddp_amp.trainer import Trainer, build_trainer, session_for
 
@@ -64,7 +65,7 @@ def trainer_on_batches(ctx: DistContext, model: nn.Module, loss_fn: Callable[[An
     targets = torch.cat([y.cpu() for _, y in batches])
     task = Task(model=model, train_data=TensorDataset(inputs, targets), loss_fn=loss_fn, name="bench")
     trainer = build_trainer(session_for(config).start(), config, task=task)
-    trainer.stream = itertools.cycle(batches)  # type: ignore[assignment]
+    trainer.stream = itertools.cycle(batches)  # type: ignore[assignment]  # the loop only iterates it
     return trainer
 
 
@@ -80,7 +81,7 @@ def _measure(ctx: DistContext, size: RecipeSize, precision_name: str, blocks: in
 
     Collective: every rank runs the same interleaved schedule; rank 0's timings count.
     """
-    precision = Precision(precision_name, ctx.device.type)  # type: ignore[arg-type]
+    precision = Precision(as_precision_name(precision_name), ctx.device.type)
     batches = make_batches(size, N_BATCHES, ctx.device, seed=1 + ctx.rank)
     cycle = itertools.cycle(batches)
     trainer = make_trainer(ctx, size, precision, batches)

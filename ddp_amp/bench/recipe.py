@@ -79,15 +79,18 @@ class HandLoop:
         if precision.float8_linears:
             model = convert_linears(model, emulate=precision.emulate_fp8)
         if compile_model:
-            model = torch.compile(model)
+            compiled = torch.compile(model)
+            assert isinstance(compiled, nn.Module)  # an OptimizedModule; the stubs say only "a callable"
+            model = compiled
         if distributed:
             device_ids = [device.index] if device.type == "cuda" else None
             model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=bucket_view,
                         static_graph=static_graph)
         self.model = model
-        kwargs = {} if fused is None else ({"fused": True} if fused else {"foreach": True})
+        # fused=None: the optimizer's default kernels; False: foreach; True: fused.
         kind = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
-        self.optimizer = kind(model.parameters(), lr=lr, **kwargs)
+        self.optimizer = kind(model.parameters(), lr=lr, fused=True if fused else None,
+                              foreach=True if fused is False else None)
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision.uses_loss_scaling)
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -97,10 +97,11 @@ def on_rank_zero(work: Callable[[], T]) -> T:
     if not has_peers():
         return work()
     payload, local_error = _outcome_bytes(work) if dist.get_rank() == 0 else (b"", None)
-    payload = broadcast_object(payload)  # type: ignore[assignment]
+    received = broadcast_object(payload)
     if local_error is not None:
         raise mark_agreed(local_error, 0)
-    status, value = pickle.loads(payload)
+    assert isinstance(received, bytes)  # rank 0's pickled outcome
+    status, value = pickle.loads(received)
     if status == "error":
         raise mark_agreed(value, 0)
     return value
@@ -112,19 +113,21 @@ def on_every_rank(work: Callable[[], T]) -> T:
     Collective: one all-gather of the outcomes. A rank's own failure is raised as it is;
     a rank that succeeded raises a copy of the first failure instead of returning.
     """
+    local_error: BaseException | None = None
     try:
-        result, local_error = work(), None
+        result = work()
     except Exception as error:  # noqa: BLE001 - reported to every rank below
-        result, local_error = None, error
-    if not has_peers():
-        if local_error is not None:
+        local_error = error
+    if local_error is not None:  # `result` is unset
+        if not has_peers():
             raise local_error
-        return result  # type: ignore[return-value]
-    failure = _portable(local_error) if local_error is not None else None
-    failures = [(rank, f) for rank, f in enumerate(all_gather_objects(failure)) if f is not None]
-    if local_error is not None:
+        all_gather_objects(_portable(local_error))
         raise mark_agreed(local_error, dist.get_rank())
+    no_failure: BaseException | None = None
+    if not has_peers():
+        return result
+    failures = [(rank, f) for rank, f in enumerate(all_gather_objects(no_failure)) if f is not None]
     if failures:
         origin, first = failures[0]
         raise mark_agreed(first, origin)
-    return result  # type: ignore[return-value]
+    return result

@@ -94,7 +94,7 @@ def _child(queue: Any, rank: int, world_size: int, port: int, device: str, backe
     try:
         buffer = io.BytesIO()
         # Left after fn's DDP objects are gone: they were local to fn.
-        with distributed(detect_env(os.environ), device=device, backend=backend,  # type: ignore[arg-type]
+        with distributed(detect_env(os.environ), device=device, backend=backend,  # type: ignore[arg-type]  # strs, checked at run time
                          timeout_s=dist_timeout_s) as ctx:
             # torch.save, not the queue's pickling: tensors in a result then travel as
             # bytes, not as shared memory that would vanish with this process.

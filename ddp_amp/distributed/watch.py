@@ -91,7 +91,7 @@ class PeerWatch:
         self._thread = None
         if done and self._client is not None:
             with contextlib.suppress(Exception):  # a store that is gone: the run is over anyway
-                self._beat(DONE)
+                self._beat(self._client, DONE)
 
     def explain(self, error: BaseException, show_error: bool = False) -> None:
         """After a collective of this rank failed (a peer's connection ended, or it timed
@@ -124,21 +124,24 @@ class PeerWatch:
             if self._store_lost and self._failed is not None:
                 self._store_host_gone()
             return
-        if self._client is None and not self._reconnect():
+        if self._client is None:
+            self._reconnect()
+        client = self._client
+        if client is None:  # not reconnected
             return
         try:
-            self._exchange(self._client, now)  # type: ignore[arg-type]
+            self._exchange(client, now)
         except Exception:  # noqa: BLE001 - a store that stopped answering: probe it quietly from now on
             self._client = None
             self._reconnect()
 
-    def _beat(self, state: str) -> None:
-        publish_beat(self._client, self.rank,  # type: ignore[arg-type]
+    def _beat(self, client: dist.Store, state: str) -> None:
+        publish_beat(client, self.rank,
                      own_beat(self._count, self.progress.step, state, self.tracker.machine))
         self._count += 1
 
     def _exchange(self, client: dist.Store, now: float) -> None:
-        self._beat(RUNNING if self._failed is None else FAILED)
+        self._beat(client, RUNNING if self._failed is None else FAILED)
         if client.check([FAILURE_KEY]) and json.loads(client.get(FAILURE_KEY)).get("rank") != self.rank:
             _exit()  # another rank failed and said so
         self.tracker.update(read_beats(client, self.tracker.peers), now)
@@ -164,9 +167,9 @@ class PeerWatch:
         it refused connections for STORE_DOWN_POLLS polls, its host is gone: a launcher that
         hosted it ends this worker; rank 0 that hosted it (srun) is named once a collective
         fails here (a finished rank 0 exits before the others: no reason to stop then)."""
-        if self.launcher.store_answers() is not False:
+        if self.store is not None and self.launcher.store_answers() is not False:
             try:
-                self._client = _own_connection(self.store)  # type: ignore[arg-type]
+                self._client = _own_connection(self.store)
                 self._store_down = 0
                 return True
             except Exception:  # noqa: BLE001 - counted below
@@ -221,7 +224,7 @@ def _own_connection(store: dist.Store) -> dist.Store:
     """A second client of the group's store with a short timeout; the store itself where it
     cannot be cloned (a store made by someone else)."""
     try:
-        client = store.clone()
+        client = store.clone()  # type: ignore[attr-defined]  # Store.clone is missing from torch's stubs
     except (RuntimeError, AttributeError):
         return store
     client.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))

@@ -97,6 +97,7 @@ class PositionalEncoding(nn.Module):
         table[:, 0::2] = torch.sin(position * frequency)
         table[:, 1::2] = torch.cos(position * frequency[: width // 2])
         # A buffer, not a parameter: moves with .to(device), is never trained.
+        self.table: torch.Tensor
         self.register_buffer("table", table, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
