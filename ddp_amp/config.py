@@ -23,8 +23,16 @@ from ddp_amp.distributed.options import DistOptions
 from ddp_amp.errors import UsageError
 from ddp_amp.guards.options import GuardOptions
 from ddp_amp.metrics.options import LogOptions
-from ddp_amp.option_values import (FIELD_NAMES, INT_LIMIT, STEP_WINDOW, ComponentOptions, StepWindow, check_fields,
-                                   flag_of, option)
+from ddp_amp.option_values import (
+    FIELD_NAMES,
+    INT_LIMIT,
+    STEP_WINDOW,
+    ComponentOptions,
+    StepWindow,
+    check_fields,
+    flag_of,
+    option,
+)
 from ddp_amp.parallel.options import ParallelOptions
 
 __all__ = ["LaunchOptions", "TaskOptions", "TrainConfig", "TrainingOptions", "flag_of", "match_fields",

@@ -8,6 +8,7 @@ command line and a `Session` in a user's loop get the same floor and growth rule
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from ddp_amp.amp.lossscale import LossScaleOptions
 from ddp_amp.amp.precision import PRECISION_CHOICES
 from ddp_amp.option_values import INT_LIMIT, ComponentOptions, check_fields, option

@@ -7,8 +7,7 @@ import signal
 from dataclasses import dataclass
 
 from ddp_amp.errors import UsageError
-from ddp_amp.option_values import (INT_LIMIT, SIGNALS, TEN_YEARS_S, ComponentOptions, check_fields, option,
-                                   signals_text)
+from ddp_amp.option_values import INT_LIMIT, SIGNALS, TEN_YEARS_S, ComponentOptions, check_fields, option, signals_text
 
 
 @dataclass(frozen=True)
