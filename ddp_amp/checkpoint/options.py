@@ -35,7 +35,8 @@ class CheckpointOptions(ComponentOptions):
         """Ranges, and the options that need another one with them."""
         check_fields(self, CheckpointOptions)
         if self.async_checkpoint and not self.ckpt_every:
-            raise UsageError("--async-checkpoint", True, "--ckpt-every N with it (the saves it moves to the background)",
+            raise UsageError("--async-checkpoint", True,
+                             "--ckpt-every N with it (the saves it moves to the background)",
                              "the final checkpoint is always written before the run ends; add e.g. --ckpt-every 500")
         if self.archive_checkpoints and self.resume != "none":
             raise UsageError("--archive-checkpoints", True, "--resume none with it",
