@@ -120,12 +120,15 @@ def test_no_package_folder_is_one_that_tools_skip() -> None:
 
 
 def test_the_configuration_imports_no_service_and_no_layer_below_sees_it() -> None:
-    """TrainConfig validates with what it owns (and the amp layer's loss-scale rules); the
-    layers under the Trainer get their own options, never the whole configuration."""
+    """TrainConfig is composed of the components' own options (each component's `options`
+    module, which declares and checks them) and nothing else of theirs; the layers under the
+    Trainer get their own options, never the whole configuration."""
     graph = grimp.build_graph("ddp_amp")
     imported = {module for module in graph.find_modules_directly_imported_by("ddp_amp.config")}
-    assert imported <= {"ddp_amp.amp", "ddp_amp.errors", "ddp_amp.option_values"}, imported
+    services = {module for module in imported if not module.endswith(".options")}
+    assert services <= {"ddp_amp.errors", "ddp_amp.option_values"}, imported
+    assert {"ddp_amp.amp.options", "ddp_amp.parallel.options", "ddp_amp.checkpoint.options"} <= imported, imported
     below = ("ddp_amp.session", "ddp_amp.checkpoint", "ddp_amp.guards", "ddp_amp.metrics", "ddp_amp.amp",
-             "ddp_amp.distributed", "ddp_amp.env")
+             "ddp_amp.distributed", "ddp_amp.env", "ddp_amp.parallel", "ddp_amp.data")
     importers = graph.find_modules_that_directly_import("ddp_amp.config")
     assert not [module for module in importers if module.startswith(below)], importers

@@ -146,3 +146,24 @@ def test_two_ranks_fp16_stop_and_name_the_rank_with_bad_local_gradients(tmp_path
     # no checkpoint of the bad state (the folder itself is made by the writability check)
     assert not (tmp_path / "summary.json").exists() and not list(tmp_path.glob("checkpoints/step-*"))
     assert os.listdir(tmp_path)  # the run dir (config, metrics) is kept for the post-mortem
+
+
+def _scaler_settings(scaler: AgreedGradScaler) -> dict[str, float | int]:
+    return {"init_scale": scaler.get_scale(), "growth_interval": scaler.get_growth_interval(),
+            "backoff_factor": scaler.get_backoff_factor(), "min_scale": scaler.min_scale,
+            "hysteresis": scaler.hysteresis}
+
+
+def test_a_session_and_the_command_line_start_from_the_same_loss_scale_settings() -> None:
+    """A `Session` with no scaler options gets the `--loss-scale-*` defaults, floor included,
+    both from `LossScaleOptions`; an option a caller names replaces only that one."""
+    from ddp_amp.session import Session
+
+    cli = session_for(parse_command_line(["--precision", "fp16", "--device", "cpu"]).config)
+    with cli:
+        from_cli = _scaler_settings(cli.scaler)
+    with Session("fp16", "cpu", environ={}) as session:
+        assert _scaler_settings(session.scaler) == from_cli == LossScaleOptions().scaler_kwargs()
+    assert from_cli["min_scale"] == TrainConfig().loss_scale_min == 1.0
+    with Session("fp16", "cpu", scaler_options={"init_scale": 512.0}, environ={}) as session:
+        assert _scaler_settings(session.scaler) == {**from_cli, "init_scale": 512.0}

@@ -24,7 +24,6 @@ from ddp_amp.errors import UsageError
 from ddp_amp.amp.float8 import fp8_unavailable
 from ddp_amp.amp.scaler import AgreedGradScaler, scaler_options_of
 
-PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16", "fp8"]
 PRECISION_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16", "fp8")
 PrecisionName = Literal["fp32", "bf16", "fp16", "fp8"]
 _NAMES: dict[str, PrecisionName] = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}

@@ -9,7 +9,8 @@ Which stream a task's data becomes (`make_stream`):
 - a map-style dataset: a shuffled shard per data-parallel rank, resumed by position, and
   mappable onto another number of ranks (batches.py).
 The first two keep a position per rank (loader_stream.py); a checkpoint saves every rank's.
-All of them keep the `Stream` contract (stream.py).
+All of them keep the `Stream` contract (stream.py). `DataOptions` (options.py) holds the
+batch geometry and loader workers a run asks for.
 """
 
 from __future__ import annotations

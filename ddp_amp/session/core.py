@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_amp.amp import (AgreedGradScaler, AutocastModule, Precision, StepResult, amp_step, resolve_precision,
-                         scaled_backward, unwrap_model)
+from ddp_amp.amp import (AgreedGradScaler, AutocastModule, LossScaleOptions, Precision, StepResult, amp_step,
+                         resolve_precision, scaled_backward, unwrap_model)
 from ddp_amp.distributed import (BackendChoice, DeviceChoice, DistContext, PeerWatch, ShardOptions, Units,
                                  agreed_origin, all_gather_objects, announce_failure, init_distributed,
                                  shutdown_distributed, to_device)
@@ -59,7 +59,9 @@ class Session:
                  environ: Mapping[str, str] | None = None, *, fp8_emulate: bool = False,
                  shard: ShardOptions | None = None) -> None:
         self._choices = (precision, device, backend, timeout_s, fp8_emulate)
-        self._scaler_options = dict(scaler_options or {})
+        # The amp layer's defaults, as the CLI's --loss-scale-* have them (a floor included);
+        # the caller's settings replace them one by one.
+        self._scaler_options = {**LossScaleOptions().scaler_kwargs(), **(scaler_options or {})}
         self._environ = environ
         self._shard = shard
         self._ctx: DistContext | None = None

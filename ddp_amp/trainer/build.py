@@ -8,12 +8,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ddp_amp.checkpoint.options import CheckpointOptions
 from ddp_amp.config import TrainConfig
+from ddp_amp.data.options import DataOptions
 from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.metrics import QuietRunLog, RunLog
-from ddp_amp.session import Session
 from ddp_amp.option_values import METRIC_GOAL
+from ddp_amp.session import Session
 from ddp_amp.tasks import Task, load_task
 from ddp_amp.trainer.evaluation import check_metric_names, reported_metrics
 from ddp_amp.trainer.loop import Trainer
@@ -30,7 +32,7 @@ def prepare_task(config: TrainConfig, ctx: DistContext) -> Task:
     """Check the batch geometry, build the task with the same model on every rank, check the
     options that name its metrics, then seed each rank's own streams (dropout, augmentation)
     with `seed + rank`."""
-    config.micro_batch_size(ctx.world_size)  # fail on a bad batch size before any work
+    DataOptions.of(config).micro_batch_size(ctx.world_size)  # fail on a bad batch size before any work
     seed_everything(config.seed)  # same model init on every rank
     task = load_task(config.task, config)
     check_metric_options(config, task, ctx.device)
@@ -42,11 +44,12 @@ def check_metric_options(config: TrainConfig, task: Task, device: torch.device) 
     """`--keep-best` and `Task.schedule_on="eval:METRIC"` name metrics the task's evaluation
     reports; a one-line UsageError where one does not (no collective)."""
     wanted: dict[str, tuple[str, str, str]] = {}
-    if config.keep_best is not None:
+    keep_best = CheckpointOptions.of(config).keep_best
+    if keep_best is not None:
         if task.eval_data is None:
-            raise UsageError("--keep-best", METRIC_GOAL.text(config.keep_best), "a task with eval_data",
+            raise UsageError("--keep-best", METRIC_GOAL.text(keep_best), "a task with eval_data",
                              "the best checkpoint is chosen by an eval metric; drop --keep-best")
-        wanted[config.keep_best.metric] = ("--keep-best", METRIC_GOAL.text(config.keep_best), "--keep-best {name}")
+        wanted[keep_best.metric] = ("--keep-best", METRIC_GOAL.text(keep_best), "--keep-best {name}")
     kind, _, metric = task.schedule_on.partition(":")
     if kind == "eval":
         wanted[metric] = ("Task.schedule_on", task.schedule_on, "schedule_on='eval:{name}'")

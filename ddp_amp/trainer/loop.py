@@ -27,10 +27,13 @@ from ddp_amp.amp import AgreedGradScaler, AutocastModule
 from ddp_amp.checkpoint import choose_checkpoint
 from ddp_amp.config import TrainConfig
 from ddp_amp.data import make_stream
+from ddp_amp.data.options import DataOptions
 from ddp_amp.distributed import all_reduce_, describe_units, shard_units
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import PreemptionWatch, RunWatch, stop_for_preemption, worker_ignores
+from ddp_amp.guards.options import GuardOptions
 from ddp_amp.metrics import RunLog, counting_flops, peak_memory_mb, throughput_fields
+from ddp_amp.parallel.options import ParallelOptions
 from ddp_amp.session import Session
 from ddp_amp.tasks import Task
 from ddp_amp.trainer.batch_loss import BatchLoss
@@ -61,10 +64,10 @@ def _called_in_step(model: nn.Module, batch_loss: BatchLoss) -> nn.Module:
     return model
 
 
-def _shard_extras(config: TrainConfig) -> str:
+def _shard_extras(parallel: ParallelOptions) -> str:
     """The sharding options a run changed from their defaults, for its start line."""
-    extras = [text for on, text in ((config.activation_checkpointing, "activation checkpointing per unit"),
-                                    (not config.reshard_after_forward, "kept gathered from forward to backward"))
+    extras = [text for on, text in ((parallel.activation_checkpointing, "activation checkpointing per unit"),
+                                    (not parallel.reshard_after_forward, "kept gathered from forward to backward"))
               if on]
     return f" ({', '.join(extras)})" if extras else ""
 
@@ -77,11 +80,12 @@ class Trainer:
         self.session, self.config, self.task, self.run_log = session, config, task, run_log
         ctx, self.device = session.ctx, session.device
         user_model = task.model.to(self.device)
+        parallel, guard, data = ParallelOptions.of(config), GuardOptions.of(config), DataOptions.of(config)
         # What the start line says of the model: how it is sharded, if it is.
         self.layout = (f"sharded: {describe_units(shard_units(user_model, task.shard_units))} and the model as the "
-                       f"root{_shard_extras(config)}" if session.sharded else "replicated")
-        self.model = session.setup(user_model, compile_model=config.compile, grad_comm_dtype=config.grad_comm_dtype,
-                                   units=task.shard_units, **({"static_graph": True} if config.static_graph else {}))
+                       f"root{_shard_extras(parallel)}" if session.sharded else "replicated")
+        self.model = session.setup(user_model, compile_model=parallel.compile, grad_comm_dtype=parallel.grad_comm_dtype,
+                                   units=task.shard_units, **({"static_graph": True} if parallel.static_graph else {}))
         # After setup: sharding replaces each parameter by its shard (a DTensor), which the
         # watchdogs must read.
         named = [(n, p) for n, p in session.unwrap(self.model).named_parameters() if p.requires_grad]
@@ -91,7 +95,7 @@ class Trainer:
         self._progress = session.ctx.progress
         # --compile compiles a loss_fn on its own as well: a cross-entropy over a large
         # vocabulary then runs as fused kernels instead of materialising fp32 log-probabilities.
-        self.batch_loss = BatchLoss(task, compile_loss=config.compile)
+        self.batch_loss = BatchLoss(task, compile_loss=parallel.compile)
         self._step_model = _called_in_step(self.model, self.batch_loss)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # A task may make several optimizers (a GAN's two); they step together or not at all,
@@ -101,10 +105,10 @@ class Trainer:
         self.optimizer = self.optimizers[0]
         self.scheduler = task.make_scheduler(self.optimizer) if task.make_scheduler else None
         self.clip_grad_norm = config.clip_grad_norm or task.default_clip_grad_norm or None
-        self.preemption = PreemptionWatch(config.preempt_signal, self.device, config.preempt_check_s, ctx.has_group,
-                                          stop_signums=config.stop_signal)
+        self.preemption = PreemptionWatch(guard.preempt_signal, self.device, guard.preempt_check_s, ctx.has_group,
+                                          stop_signums=guard.stop_signal)
         self.stream = make_stream(task.train_data, task.make_loader, task.schedule_on, ctx,
-                                  config.micro_batch_size(ctx.dp_size), config.num_workers, config.seed,
+                                  data.micro_batch_size(ctx.dp_size), data.num_workers, config.seed,
                                   worker_ignores(self.preemption.signums))
         self.schedule = SchedulerDriver(self.scheduler, session.scaler, task.schedule_on, self.stream) \
             if self.scheduler else None

@@ -1,0 +1,45 @@
+"""The parallelism options of a run: DDP or FSDP2 (`--shard`) and what goes with each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ddp_amp.errors import UsageError
+from ddp_amp.option_values import ComponentOptions, check_fields, flag_of, option
+
+
+@dataclass(frozen=True)
+class ParallelOptions(ComponentOptions):
+    """How the model is replicated or sharded over the ranks, compiled and its gradients reduced."""
+
+    # --- sharding: models larger than one GPU ---
+    shard: bool = option(False, "shard the model, its gradients and the optimizer state over the ranks (FSDP2) "
+                         "instead of replicating them (DDP): each rank holds 1/N; the task's blocks "
+                         "(Task.shard_units) are the units; checkpoints are written sharded (each rank its part)")
+    reshard_after_forward: bool = option(True, "with --shard: free each unit's gathered weights after its forward "
+                                         "and gather them again for backward (--no-reshard-after-forward keeps "
+                                         "them, more memory, less communication)")
+    activation_checkpointing: bool = option(False, "with --shard: recompute each unit's activations in backward "
+                                            "instead of keeping them (less memory, one more forward per unit)")
+    # --- performance fast paths (measured by python -m ddp_amp.bench) ---
+    compile: bool = option(False, "torch.compile the model (inside the autocast wrapper, under DDP) and "
+                           "the loss; the first steps pay the compile time. Pays on transformers, not on "
+                           "steps too short to be GPU-bound (docs/benchmarks.md has the figures)")
+    grad_comm_dtype: str = option("fp32", "dtype gradients are reduced in (DDP's all-reduce, --shard's "
+                                  "reduce-scatter): fp32, or bf16/fp16 (half the traffic, less precise sums)",
+                                  ("fp32", "bf16", "fp16"))
+    static_graph: bool = option(False, "tell DDP the graph is the same every step (same parameters "
+                                "used, no data-dependent control flow); lets it skip per-step work")
+
+    def check(self) -> None:
+        """Choices, and the options that belong to one of DDP and FSDP2 only."""
+        check_fields(self, ParallelOptions)
+        if self.shard:
+            for name in ("compile", "static_graph"):
+                if getattr(self, name):
+                    raise UsageError(flag_of(name), True, "an option that works with --shard",
+                                     f"{flag_of(name)} is not supported with --shard yet; drop one of them")
+        elif not self.reshard_after_forward or self.activation_checkpointing:
+            name = "activation_checkpointing" if self.activation_checkpointing else "reshard_after_forward"
+            raise UsageError(flag_of(name), getattr(self, name), "--shard with it (it is a sharding option)",
+                             "add --shard, or drop it")
