@@ -148,7 +148,7 @@ class TrainConfig:
     preempt_requeue: str = _opt("auto", "after a preemption stop: auto (rank 0 runs `scontrol "
                                 "requeue $SLURM_JOB_ID` under SLURM) or never", ("auto", "never"))
 
-    # --- sharding (ddp_amp/distributed/fsdp.py): models larger than one GPU ---
+    # --- sharding (ddp_amp/parallel/fsdp.py): models larger than one GPU ---
     shard: bool = _opt(False, "shard the model, its gradients and the optimizer state over the ranks (FSDP2) "
                        "instead of replicating them (DDP): each rank holds 1/N; the task's blocks "
                        "(Task.shard_units) are the units; checkpoints are written sharded (each rank its part)")

@@ -26,7 +26,7 @@ from torch import nn
 from ddp_amp.amp import AgreedGradScaler, AutocastModule
 from ddp_amp.checkpoint import choose_checkpoint
 from ddp_amp.config import TrainConfig
-from ddp_amp.distributed import all_reduce_, describe_units, shard_units
+from ddp_amp.distributed import all_reduce_
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import PreemptionWatch, RunWatch, stop_for_preemption, worker_ignores
 from ddp_amp.metrics import RunLog, counting_flops, peak_memory_mb, throughput_fields
@@ -61,14 +61,6 @@ def _called_in_step(model: nn.Module, batch_loss: BatchLoss) -> nn.Module:
     return model
 
 
-def _shard_extras(config: TrainConfig) -> str:
-    """The sharding options a run changed from their defaults, for its start line."""
-    extras = [text for on, text in ((config.activation_checkpointing, "activation checkpointing per unit"),
-                                    (not config.reshard_after_forward, "kept gathered from forward to backward"))
-              if on]
-    return f" ({', '.join(extras)})" if extras else ""
-
-
 class Trainer:
     """The task's model, optimizer and data on one rank of a session, and the loop over them."""
 
@@ -76,12 +68,9 @@ class Trainer:
                  checkpoint_root: Path | None = None) -> None:
         self.session, self.config, self.task, self.run_log = session, config, task, run_log
         ctx, self.device = session.ctx, session.device
-        user_model = task.model.to(self.device)
-        # What the start line says of the model: how it is sharded, if it is.
-        self.layout = (f"sharded: {describe_units(shard_units(user_model, task.shard_units))} and the model as the "
-                       f"root{_shard_extras(config)}" if session.sharded else "replicated")
-        self.model = session.setup(user_model, compile_model=config.compile, grad_comm_dtype=config.grad_comm_dtype,
+        self.model = session.setup(task.model, compile_model=config.compile, grad_comm_dtype=config.grad_comm_dtype,
                                    units=task.shard_units, **({"static_graph": True} if config.static_graph else {}))
+        self.layout = session.describe(self.model)  # what the start line says of the model
         # After setup: sharding replaces each parameter by its shard (a DTensor), which the
         # watchdogs must read.
         named = [(n, p) for n, p in session.unwrap(self.model).named_parameters() if p.requires_grad]

@@ -10,10 +10,9 @@ before anything starts.
 from __future__ import annotations
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.distributed import ShardOptions
 from ddp_amp.guards import WatchOptions
 from ddp_amp.metrics.trackers import check_tracker_spec
-from ddp_amp.session import Session
+from ddp_amp.session import Session, ShardOptions
 
 
 def watch_options(config: TrainConfig) -> WatchOptions:
