@@ -11,9 +11,8 @@ The order, and why:
    converted modules;
 3. the units are found once, on the converted model, and both sharding and the
    description use that one list (described before sharding renames their classes);
-4. activation checkpointing per unit before sharding: the composable form keeps parameter
-   names, and its hooks are registered before FSDP's on the same unit, so a recomputed
-   forward gathers the weights again;
+4. activation checkpointing per unit before sharding (torchtitan's order too): the
+   composable form keeps parameter names, so the sharded state's names stay the model's;
 5. compile the user's module alone (replicated only): autocast and DDP's hooks stay outside
    the compiled graph, which sees plain tensors;
 6. FSDP2 per unit and then the root, on the mesh's data-parallel dimension, or DDP;
