@@ -22,7 +22,7 @@ _PUBLIC = {
     "StepResult": "ddp_amp.amp", "resolve_precision": "ddp_amp.amp", "unwrap_model": "ddp_amp.amp",
     "TrainConfig": "ddp_amp.config",
     "DistContext": "ddp_amp.distributed", "distributed": "ddp_amp.distributed", "init_distributed": "ddp_amp.distributed",
-    "shutdown_distributed": "ddp_amp.distributed", "ShardOptions": "ddp_amp.distributed",
+    "shutdown_distributed": "ddp_amp.distributed", "ShardOptions": "ddp_amp.parallel",
     "DistEnv": "ddp_amp.env", "detect_env": "ddp_amp.env",
     "UsageError": "ddp_amp.errors",
     "Session": "ddp_amp.session",
@@ -33,7 +33,8 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, importe
     from ddp_amp.amp import (AgreedGradScaler, AutocastModule, Precision, StepResult, resolve_precision,
                              unwrap_model)
     from ddp_amp.config import TrainConfig
-    from ddp_amp.distributed import DistContext, ShardOptions, distributed, init_distributed, shutdown_distributed
+    from ddp_amp.distributed import DistContext, distributed, init_distributed, shutdown_distributed
+    from ddp_amp.parallel import ShardOptions
     from ddp_amp.env import DistEnv, detect_env
     from ddp_amp.errors import UsageError
     from ddp_amp.session import Session

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ddp_amp.bench.stats import interleave, paired_ratio, quantile
-from ddp_amp.distributed import comm_hook
 from ddp_amp.errors import UsageError
+from ddp_amp.parallel import comm_hook
 
 
 def test_paired_ratio_is_the_median_of_per_block_ratios_with_its_spread() -> None:

@@ -10,16 +10,27 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_amp.amp import resolve_precision, wrap_model
+from ddp_amp.amp import Precision, resolve_precision
 from ddp_amp.checkpoint.safe_types import safe_load
 from ddp_amp.distributed import DistContext
+from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
+from ddp_amp.parallel import ParallelPlan, parallelize
 from ddp_amp.tasks.mlp import make_model
 from tests.multiproc import run_ranks, run_train
 
 pytest.importorskip("torchao.float8")
 CPU = torch.device("cpu")
 SMALL = ["--task", "mlp", "--task-opt", "hidden=32", "--task-opt", "samples=512", "--batch-size", "32"]
+
+
+def wrap_model(model: nn.Module, precision: Precision, ctx: DistContext) -> nn.Module:
+    """The model as `Session.setup` makes it: replicated, the float8 conversion inside."""
+    return parallelize(model, ParallelPlan(), precision, ctx).model
+
+
+def one_process(device: torch.device) -> DistContext:
+    return DistContext(DistEnv(), device, None)
 
 
 def count_float8_linears(model: nn.Module) -> int:
@@ -43,7 +54,7 @@ def test_emulated_fp8_is_bf16_autocast_without_loss_scaling() -> None:
 def test_only_aligned_linear_layers_are_converted_and_parameters_are_kept() -> None:
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))  # 10 is not a multiple of 16
     before = [id(p) for p in model.parameters()]
-    wrapped = wrap_model(model, resolve_precision("fp8", CPU, emulate_fp8=True), CPU, distributed=False)
+    wrapped = wrap_model(model, resolve_precision("fp8", CPU, emulate_fp8=True), one_process(CPU))
     assert count_float8_linears(wrapped) == 1
     assert [id(p) for p in wrapped.parameters()] == before  # optimizers and hooks see the same tensors
     output = wrapped(torch.randn(8, 32))
@@ -53,7 +64,7 @@ def test_only_aligned_linear_layers_are_converted_and_parameters_are_kept() -> N
 def _two_rank_fp8_steps(ctx: DistContext) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = make_model(32, 64, 16, 3)
-    wrapped = wrap_model(model, resolve_precision("fp8", ctx.device, emulate_fp8=True), ctx.device, distributed=True)
+    wrapped = wrap_model(model, resolve_precision("fp8", ctx.device, emulate_fp8=True), ctx)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(ctx.rank)  # each rank its own data
     for _ in range(3):
@@ -115,7 +126,7 @@ def test_real_float8_matmuls_train_on_a_gpu_that_has_them() -> None:
         return
     torch.manual_seed(0)
     model = make_model(256, 512, 256, 3)
-    wrapped = wrap_model(model, resolve_precision("fp8", device), device, distributed=False)
+    wrapped = wrap_model(model, resolve_precision("fp8", device), one_process(device))
     assert count_float8_linears(wrapped) == 3
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, fused=True)
     inputs, target = torch.randn(64, 256, device=device), torch.randn(64, 256, device=device)

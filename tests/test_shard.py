@@ -23,10 +23,10 @@ from torch import nn
 
 from ddp_amp import DistContext, Session, TrainConfig
 from ddp_amp.checkpoint import verify_checkpoint
-from ddp_amp.distributed import ShardOptions
 from ddp_amp.export import main as export_main
 from ddp_amp.train import main as train_main
 from ddp_amp.metrics import QuietRunLog
+from ddp_amp.parallel import ShardOptions
 from ddp_amp.tasks import load_task
 from ddp_amp.trainer import Trainer, seed_everything, session_for
 from tests.multiproc import REPO_ROOT, run_ranks, run_train, slow_writes_env

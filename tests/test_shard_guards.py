@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from ddp_amp import DistContext, Session
-from ddp_amp.distributed import ShardOptions, local_part
+from ddp_amp.distributed import local_part
+from ddp_amp.parallel import ShardOptions
 from ddp_amp.errors import TrainingHalted
 from ddp_amp.guards.finite import FiniteStateGuard
 from ddp_amp.guards.rank_sync import check_rank_sync

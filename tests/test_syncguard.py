@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.distributed import DistContext, wrap_ddp
+from ddp_amp.distributed import DistContext
+from ddp_amp.parallel import wrap_ddp
 from ddp_amp.errors import TrainingHalted
 from ddp_amp.guards import OverflowProbe
 from ddp_amp.metrics import make_run_log

@@ -2,12 +2,13 @@
 
 - `precision`: `--precision auto|fp32|bf16|fp16` resolved per device, and the run's scaler;
 - `autocast`: the autocast-inside-forward wrapper that sits inside DDP;
-- `wrap`: `DDP(AutocastModule(model))`, the one way a model is wrapped;
+- `float8`: float8 linear layers for `--precision fp8` (`ddp_amp.parallel` converts them);
 - `scaler`: the GradScaler whose skip decision every rank agrees on;
 - `lossscale`: loss-scale rules (hysteresis, floor) and on-device skip counters;
 - `step`: the one AMP step, shared by the Trainer and `Session`.
 
-Imports `distributed`, `env` and `errors` from ddp_amp, nothing above.
+Imports only `errors` from ddp_amp, nothing above; wrapping a model
+for DDP or sharding is `ddp_amp.parallel`'s.
 """
 
 from ddp_amp.amp.autocast import AutocastModule, unwrap_model
@@ -15,10 +16,9 @@ from ddp_amp.amp.lossscale import LossScaleOptions, OverflowCounters, next_scale
 from ddp_amp.amp.precision import PRECISION_CHOICES, Precision, cpu_has_native_bf16, resolve_precision
 from ddp_amp.amp.scaler import AgreedGradScaler
 from ddp_amp.amp.step import StepResult, amp_step, scaled_backward
-from ddp_amp.amp.wrap import wrap_model
 
 __all__ = [
     "PRECISION_CHOICES", "AgreedGradScaler", "AutocastModule", "LossScaleOptions", "OverflowCounters",
     "Precision", "StepResult", "amp_step", "cpu_has_native_bf16", "next_scale", "resolve_precision",
-    "scaled_backward", "unwrap_model", "wrap_model",
+    "scaled_backward", "unwrap_model",
 ]

@@ -6,7 +6,7 @@ wrapper, the Trainer's step and `Session.autocast` all go through it), it builds
 matching scaler, and it answers the questions other layers would otherwise ask of its name
 (does it scale the loss, what do its matmuls run in, what to try when it diverges). So no
 layer branches on dtype: bf16, fp8 and fp32 get a disabled scaler whose calls pass straight
-through. fp8 is bf16 autocast plus float8 linear layers (float8.py), which `wrap_model`
+through. fp8 is bf16 autocast plus float8 linear layers (float8.py), which `parallelize`
 converts.
 """
 

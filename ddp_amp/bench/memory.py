@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from ddp_amp.bench.table import grid
 from ddp_amp.bench.targets import target_fields
-from ddp_amp.distributed import BackendChoice, DeviceChoice, DistContext, ShardOptions, local_numel_bytes
+from ddp_amp.distributed import BackendChoice, DeviceChoice, DistContext, local_numel_bytes
+from ddp_amp.parallel import ShardOptions
 from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.session import Session
 from ddp_amp.tasks.mlp import make_model

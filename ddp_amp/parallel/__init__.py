@@ -1,5 +1,24 @@
-"""How a model is spread over the ranks: replicated (DDP) or sharded (FSDP2), and the fast
-paths around it (activation checkpointing, compile, reduced-precision gradient traffic).
+"""How a model is spread over the ranks: one `parallelize(model, plan, precision, ctx)`.
 
-- `options`: `ParallelOptions`, the run's choices among them.
+- `plan`: `ParallelPlan`, what is applied to a model, checked when it is made; and
+  `ShardOptions`, a session's choice to shard;
+- `parallelize`: float8, activation checkpointing, compile, FSDP2 or DDP and the autocast
+  wrapper, applied in one place in an order its docstring explains;
+- `ddp`: the one DDP wrap, its comm hook, and releasing it before teardown;
+- `fsdp`: sharding a model's units and root with FSDP2 (`--shard`), and what units are;
+- `options`: `ParallelOptions`, the run's choices among them (flags).
+
+Imports `amp`, `distributed` and `errors` from ddp_amp; the session builds on it.
 """
+
+from ddp_amp.parallel.ddp import CommHook, comm_hook, release_ddp, wrap_ddp
+from ddp_amp.parallel.fsdp import (Units, default_units, describe_units, fused_kernel_takes, is_sharded, shard_model,
+                                   shard_units)
+from ddp_amp.parallel.parallelize import Parallelized, parallelize
+from ddp_amp.parallel.plan import ParallelPlan, ShardOptions
+
+__all__ = [
+    "CommHook", "ParallelPlan", "Parallelized", "ShardOptions", "Units", "comm_hook", "default_units",
+    "describe_units", "fused_kernel_takes", "is_sharded", "parallelize", "release_ddp", "shard_model", "shard_units",
+    "wrap_ddp",
+]

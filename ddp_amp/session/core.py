@@ -11,7 +11,7 @@
             optimizer.zero_grad(set_to_none=True)
 
 It is the run core, and the Trainer is a loop over it: `detect_env` -> `init_distributed`
--> `resolve_precision` -> `wrap_model` + `AgreedGradScaler` -> the AMP step (`amp_step`) ->
+-> `resolve_precision` -> `parallelize` + `AgreedGradScaler` -> the AMP step (`amp_step`) ->
 checkpoints in one layout (layout.py) through `ddp_amp.checkpoint`'s commit protocol, now
 or in the background (checkpoints.py). A failure watch ends this rank when a peer fails.
 Leaving the block always leaves the process group, after releasing the DDP wrappers it made
@@ -35,13 +35,13 @@ from torch import nn
 
 from ddp_amp.amp import (AgreedGradScaler, AutocastModule, LossScaleOptions, Precision, StepResult, amp_step,
                          resolve_precision, scaled_backward, unwrap_model)
-from ddp_amp.distributed import (BackendChoice, DeviceChoice, DistContext, PeerWatch, ShardOptions, Units,
-                                 agreed_origin, all_gather_objects, announce_failure, init_distributed,
-                                 shutdown_distributed, to_device)
+from ddp_amp.distributed import (BackendChoice, DeviceChoice, DistContext, PeerWatch, agreed_origin, all_gather_objects,
+                                 announce_failure, init_distributed, shutdown_distributed, to_device)
 from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import check_rank_sync
 from ddp_amp.metrics.trackers import Trackers, start_trackers_on_rank_zero
+from ddp_amp.parallel import ShardOptions, Units, fused_kernel_takes
 from ddp_amp.session.checkpoints import Saved, SessionCheckpoints
 from ddp_amp.session.layout import SavedState
 from ddp_amp.session.models import SessionModels
@@ -202,26 +202,26 @@ class Session:
 
     def setup(self, model: nn.Module, *, compile_model: bool = False, grad_comm_dtype: str = "fp32",
               cast_outputs_to_fp32: bool = False, units: Units = None, **ddp_options: Any) -> nn.Module:
-        """Move `model` to the device and wrap it: DDP(AutocastModule(model)) (collective).
-
-        A world of one gets the AutocastModule alone; a session with `shard` shards the model
-        instead (FSDP2: `units`, module classes or a function naming its blocks, else its
-        largest ModuleList's children, then the model itself), `AutocastModule(model)`.
-        `compile_model` compiles the model inside the wrapper; `grad_comm_dtype` ("bf16",
-        "fp16") reduces gradients compressed. Make optimizers from the returned module's
-        parameters (the model's own). Other keywords (static_graph, find_unused_parameters,
-        bucket_cap_mb, ...) go to DDP.
-        """
+        """Move `model` to the device and wrap it (collective): DDP(AutocastModule(model)), the AutocastModule
+        alone for a world of one, or with `shard` `AutocastModule(model)` sharded (FSDP2: `units`, module classes
+        or a function naming its blocks, else its largest ModuleList's children, then the model). `compile_model`
+        compiles it inside the wrapper; `grad_comm_dtype` ("bf16", "fp16") reduces gradients compressed. Make
+        optimizers from the returned module's parameters. Other keywords (static_graph, ...) go to DDP."""
         return self._made().setup(model, compile_model=compile_model, grad_comm_dtype=grad_comm_dtype,
                                   cast_outputs_to_fp32=cast_outputs_to_fp32, units=units, ddp_options=ddp_options)
 
-    def local_module(self, model: nn.Module) -> AutocastModule:
-        """The AutocastModule inside a set-up model: same weights, no DDP collectives.
+    def describe(self, model: nn.Module) -> str:
+        """What `setup` applied to `model`: 'replicated', or 'sharded: 2 x Block and the model as the root'."""
+        return self._made().describe(model)
 
-        For eval and inference: its forward autocasts (in any thread); replicated, it never
-        talks to other ranks, so ranks may run different numbers of batches. Sharded, every
-        forward gathers weights from every rank: all ranks must run the same number.
-        """
+    # Whether an optimizer's fused kernel takes a set-up model's parameters (sharded or not).
+    fused_kernel_takes = staticmethod(fused_kernel_takes)
+
+    def local_module(self, model: nn.Module) -> AutocastModule:
+        """The AutocastModule inside a set-up model: same weights, no DDP collectives. For eval
+        and inference: its forward autocasts (in any thread); replicated, it never talks to other
+        ranks, so ranks may run different numbers of batches. Sharded, every forward gathers
+        weights from every rank: all ranks must run the same number."""
         return self._made().local_module(model)
 
     @property

@@ -1,13 +1,15 @@
 """What a session makes of a model, and what it remembers of the models it made.
 
-`setup` wraps a model one of two ways: replicated, `DDP(AutocastModule(model))` (the
-AutocastModule alone for a world of one); or sharded (`--shard`, FSDP2),
-`AutocastModule(model)` with the model's blocks and then the model itself sharded in place.
-Either way the user's own module is inside (`unwrap`), with the same parameters.
+`setup` builds one `ParallelPlan` from its arguments and the session's `ShardOptions`, and
+`parallelize` applies it: replicated, `DDP(AutocastModule(model))` (the AutocastModule alone
+for a world of one); or sharded (FSDP2), `AutocastModule(model)` with the model's blocks and
+then the model itself sharded in place. Either way the user's own module is inside
+(`unwrap`), with the same parameters.
 
 The session remembers its DDP wrappers (released before the group is torn down; a
-`retain_graph` backward through one that syncs is refused) and its sharded models (whose
-state and optimizer state a checkpoint writes sharded).
+`retain_graph` backward through one that syncs is refused), its sharded models (whose
+state and optimizer state a checkpoint writes sharded), and what was applied to each model
+(`describe`, for a run's start line).
 """
 
 from __future__ import annotations
@@ -17,15 +19,16 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_amp.amp import AutocastModule, Precision, unwrap_model, wrap_model
-from ddp_amp.distributed import DistContext, ShardOptions, Units, comm_hook, is_sharded, release_ddp
+from ddp_amp.amp import AutocastModule, Precision, unwrap_model
+from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
+from ddp_amp.parallel import ParallelPlan, ShardOptions, Units, is_sharded, parallelize, release_ddp
 
-_COMM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# DDP's keywords that are fields of the plan; the rest pass through as `ddp_options`.
+_PLAN_DDP_FIELDS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
 
 
 class SessionModels:
@@ -35,6 +38,7 @@ class SessionModels:
         self.ctx, self.precision, self.shard = ctx, precision, shard
         self._ddp: list[weakref.ref[DDP]] = []
         self.sharded: list[nn.Module] = []  # the user's modules, sharded (FSDP roots)
+        self._described: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
     def setup(self, model: nn.Module, *, compile_model: bool, grad_comm_dtype: str, cast_outputs_to_fp32: bool,
               units: Units, ddp_options: dict[str, Any]) -> nn.Module:
@@ -42,32 +46,35 @@ class SessionModels:
         if isinstance(model, (DDP, AutocastModule)):
             raise UsageError("model", type(model).__name__, "the plain user module",
                              "pass the model before wrapping; setup adds AutocastModule and DDP")
-        ctx = self.ctx
-        if self.shard is not None:
-            return self._sharded(model, compile_model, grad_comm_dtype, cast_outputs_to_fp32, units, ddp_options)
-        # A Python comm hook only where compression needs one; else DDP's C++ all-reduce.
-        hook = comm_hook(grad_comm_dtype, ctx.backend or "gloo") if ctx.has_group else None
-        wrapped = wrap_model(model, self.precision, ctx.device, distributed=ctx.has_group, compile_model=compile_model,
-                             cast_outputs_to_fp32=cast_outputs_to_fp32, comm_hook=hook, **ddp_options)
-        if isinstance(wrapped, DDP):
-            self._ddp.append(weakref.ref(wrapped))
-        return wrapped
+        plan = self.plan(compile_model=compile_model, grad_comm_dtype=grad_comm_dtype,
+                         cast_outputs_to_fp32=cast_outputs_to_fp32, units=units, ddp_options=ddp_options)
+        made = parallelize(model, plan, self.precision, self.ctx)
+        if isinstance(made.model, DDP):
+            self._ddp.append(weakref.ref(made.model))
+        if plan.shard:
+            self.sharded.append(unwrap_model(made.model))
+        self._described[made.model] = made.description
+        return made.model
 
-    def _sharded(self, model: nn.Module, compile_model: bool, grad_comm_dtype: str, cast_outputs_to_fp32: bool,
-                 units: Units, ddp_options: dict[str, Any]) -> nn.Module:
-        refused = ["compile_model"] if compile_model else []
-        refused += [name for name, value in ddp_options.items() if value and name != "gradient_as_bucket_view"]
-        if refused:
-            raise UsageError("setup option", refused[0], "an option of a sharded model",
-                             f"{refused[0]} is DDP's (or not supported with sharding yet); drop it, or drop sharding")
-        if grad_comm_dtype not in _COMM_DTYPES:
-            raise UsageError("--grad-comm-dtype", grad_comm_dtype, "one of " + ", ".join(_COMM_DTYPES), "")
-        options = ShardOptions(self.shard.reshard_after_forward, self.shard.activation_checkpointing,  # type: ignore[union-attr]
-                               _COMM_DTYPES[grad_comm_dtype])
-        wrapped = wrap_model(model, self.precision, self.ctx.device, distributed=True, shard=options, units=units,
-                             cast_outputs_to_fp32=cast_outputs_to_fp32)
-        self.sharded.append(unwrap_model(wrapped))
-        return wrapped
+    def plan(self, *, compile_model: bool, grad_comm_dtype: str, cast_outputs_to_fp32: bool, units: Units,
+             ddp_options: dict[str, Any]) -> ParallelPlan:
+        """The one plan for a model of this session (refused here, before the model is touched)."""
+        named = {name: ddp_options[name] for name in _PLAN_DDP_FIELDS if name in ddp_options}
+        rest = {name: value for name, value in ddp_options.items() if name not in _PLAN_DDP_FIELDS}
+        shard = self.shard
+        return ParallelPlan(shard=shard is not None, units=units,
+                            reshard_after_forward=shard.reshard_after_forward if shard else True,
+                            activation_checkpointing=shard.activation_checkpointing if shard else False,
+                            grad_comm_dtype=grad_comm_dtype, compile=compile_model,
+                            cast_outputs_to_fp32=cast_outputs_to_fp32, ddp_options=rest, **named)
+
+    def describe(self, model: nn.Module) -> str:
+        """What setup applied to `model` (see `Session.describe`)."""
+        described = self._described.get(model)
+        if described is None:
+            raise UsageError("model", type(model).__name__, "a model returned by Session.setup",
+                             "pass what session.setup(model) returned")
+        return described
 
     def local_module(self, model: nn.Module) -> AutocastModule:
         """The AutocastModule of a set-up model (see `Session.local_module`)."""

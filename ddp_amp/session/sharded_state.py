@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 from ddp_amp.amp import unwrap_model
-from ddp_amp.distributed import is_sharded
+from ddp_amp.parallel import is_sharded
 from ddp_amp.errors import UsageError
 from ddp_amp.session.layout import keeping_kernels
 

@@ -19,7 +19,7 @@ from torch.utils.data import Dataset, IterableDataset
 # What a task's make_loader is given: defined with the streams that build it, imported from here.
 from ddp_amp.data import LoaderFactory as LoaderFactory
 from ddp_amp.data import LoaderRequest as LoaderRequest
-from ddp_amp.distributed import Units
+from ddp_amp.parallel import Units
 from ddp_amp.errors import UsageError
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class Task:
     tokens_per_sample: int = 0
     # The model's blocks, each sharded as a unit under --shard: module classes, or a function
     # of the model returning its modules; None: the children of its largest nn.ModuleList,
-    # else its direct children that hold parameters (ddp_amp/distributed/fsdp.py).
+    # else its direct children that hold parameters (ddp_amp/parallel/fsdp.py).
     shard_units: Units = None
 
 

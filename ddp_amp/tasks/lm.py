@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddp_amp.distributed import fused_kernel_takes
+from ddp_amp.parallel import fused_kernel_takes
 from ddp_amp.errors import UsageError
 from ddp_amp.tasks import parse_task_options
 

@@ -28,7 +28,7 @@ from ddp_amp.checkpoint import choose_checkpoint
 from ddp_amp.config import TrainConfig
 from ddp_amp.data import make_stream
 from ddp_amp.data.options import DataOptions
-from ddp_amp.distributed import all_reduce_, describe_units, shard_units
+from ddp_amp.distributed import all_reduce_
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import PreemptionWatch, RunWatch, stop_for_preemption, worker_ignores
 from ddp_amp.guards.options import GuardOptions
@@ -64,14 +64,6 @@ def _called_in_step(model: nn.Module, batch_loss: BatchLoss) -> nn.Module:
     return model
 
 
-def _shard_extras(parallel: ParallelOptions) -> str:
-    """The sharding options a run changed from their defaults, for its start line."""
-    extras = [text for on, text in ((parallel.activation_checkpointing, "activation checkpointing per unit"),
-                                    (not parallel.reshard_after_forward, "kept gathered from forward to backward"))
-              if on]
-    return f" ({', '.join(extras)})" if extras else ""
-
-
 class Trainer:
     """The task's model, optimizer and data on one rank of a session, and the loop over them."""
 
@@ -79,13 +71,10 @@ class Trainer:
                  checkpoint_root: Path | None = None) -> None:
         self.session, self.config, self.task, self.run_log = session, config, task, run_log
         ctx, self.device = session.ctx, session.device
-        user_model = task.model.to(self.device)
         parallel, guard, data = ParallelOptions.of(config), GuardOptions.of(config), DataOptions.of(config)
-        # What the start line says of the model: how it is sharded, if it is.
-        self.layout = (f"sharded: {describe_units(shard_units(user_model, task.shard_units))} and the model as the "
-                       f"root{_shard_extras(parallel)}" if session.sharded else "replicated")
-        self.model = session.setup(user_model, compile_model=parallel.compile, grad_comm_dtype=parallel.grad_comm_dtype,
+        self.model = session.setup(task.model, compile_model=parallel.compile, grad_comm_dtype=parallel.grad_comm_dtype,
                                    units=task.shard_units, **({"static_graph": True} if parallel.static_graph else {}))
+        self.layout = session.describe(self.model)  # what the start line says of the model
         # After setup: sharding replaces each parameter by its shard (a DTensor), which the
         # watchdogs must read.
         named = [(n, p) for n, p in session.unwrap(self.model).named_parameters() if p.requires_grad]

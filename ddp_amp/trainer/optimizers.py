@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddp_amp.distributed import fused_kernel_takes
 from ddp_amp.errors import UsageError
+from ddp_amp.session import Session
 from ddp_amp.tasks import Task
 
 
@@ -53,7 +53,7 @@ def _built_in(choice: str, params: list[nn.Parameter], lr: float,
               device: torch.device, impl: str = "auto") -> torch.optim.Optimizer:
     """AdamW (for `auto` and `adamw`) or SGD, fused where possible."""
     kind = torch.optim.SGD if choice == "sgd" else torch.optim.AdamW
-    attempts = optimizer_kwargs(impl, device, fused_kernel_takes(kind, params))
+    attempts = optimizer_kwargs(impl, device, Session.fused_kernel_takes(kind, params))
     for kwargs in attempts[:-1]:
         try:
             return kind(params, lr=lr, **kwargs)

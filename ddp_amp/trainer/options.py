@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from ddp_amp.amp.options import PrecisionOptions
 from ddp_amp.config import TrainConfig
-from ddp_amp.distributed import ShardOptions
 from ddp_amp.distributed.options import DistOptions
 from ddp_amp.guards import WatchOptions
 from ddp_amp.guards.options import GuardOptions
 from ddp_amp.metrics.options import LogOptions
 from ddp_amp.metrics.trackers import check_tracker_spec
 from ddp_amp.parallel.options import ParallelOptions
-from ddp_amp.session import Session
+from ddp_amp.session import Session, ShardOptions
 
 
 def watch_options(config: TrainConfig) -> WatchOptions:

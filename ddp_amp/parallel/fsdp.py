@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -28,18 +27,6 @@ from ddp_amp.errors import UsageError
 
 # What a task may name its units by: module classes, or a function of the model.
 Units = tuple[type[nn.Module], ...] | Callable[[nn.Module], Iterable[nn.Module]] | None
-
-
-@dataclass(frozen=True)
-class ShardOptions:
-    """How a model is sharded (`--shard` and the options that go with it)."""
-
-    # Free each unit's gathered weights after its forward and gather them again for its
-    # backward (the memory FSDP saves); False keeps them from forward to backward.
-    reshard_after_forward: bool = True
-    # Recompute each unit's activations in backward instead of keeping them.
-    activation_checkpointing: bool = False
-    reduce_dtype: torch.dtype | None = None  # None: gradients are reduced in fp32
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -78,16 +65,17 @@ def _describe(units: Units) -> str:
     return getattr(units, "__name__", repr(units))
 
 
-def shard_model(model: nn.Module, units: list[nn.Module], options: ShardOptions) -> nn.Module:
-    """`fully_shard` every unit, then the model as the root (collective: the ranks agree on
-    the layout). The model is the same object afterwards, now an FSDPModule."""
-    policy = MixedPrecisionPolicy(reduce_dtype=options.reduce_dtype)
+def shard_model(model: nn.Module, units: list[nn.Module], *, mesh: DeviceMesh | None,
+                reshard_after_forward: bool = True, reduce_dtype: torch.dtype | None = None) -> nn.Module:
+    """`fully_shard` every unit, then the model as the root, over `mesh` (collective: the
+    ranks agree on the layout). The model is the same object afterwards, now an FSDPModule.
+
+    `reshard_after_forward` frees each unit's gathered weights after its forward (False keeps
+    them until its backward); `reduce_dtype` None reduces gradients in fp32."""
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for unit in units:
-        if options.activation_checkpointing:
-            from torch.distributed._composable import checkpoint  # the composable form keeps parameter names
-            checkpoint(unit)
-        fully_shard(unit, mp_policy=policy, reshard_after_forward=options.reshard_after_forward)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=options.reshard_after_forward)
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # The root's output is often a view (a Linear over a 3-d input): FSDP warns in case it is
     # modified in place, which the loss never does.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -106,18 +94,3 @@ def fused_kernel_takes(kind: type[torch.optim.Optimizer], params: Iterable[torch
     """Whether `kind`'s fused kernel runs over these parameters: SGD's has no form for sharded
     (DTensor) ones in torch 2.13 (its step raises), AdamW's and Adam's have."""
     return not (issubclass(kind, torch.optim.SGD) and any(isinstance(p, DTensor) for p in params))
-
-
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `tensor`: a sharded one's (DTensor's) local shard, else all of it."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def local_numel_bytes(tensors: Iterable[Any]) -> int:
-    """Bytes this rank holds of `tensors` (a DTensor's local shard only)."""
-    total = 0
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor):
-            local = local_part(tensor)
-            total += local.numel() * local.element_size()
-    return total

@@ -1,0 +1,94 @@
+"""`parallelize`: the one place a user's model is made ready to train, every wrapper in order.
+
+    replicated:  DDP(AutocastModule(torch.compile(float8(model))))   (no DDP for a world of one)
+    sharded:     AutocastModule(fully_shard(checkpointed units of float8(model)))
+
+The order, and why:
+1. to the device first, so every later step (and DDP's weight broadcast) sees the final
+   parameters;
+2. float8 conversion before anything records the module structure or compiles it: the
+   compiled code then includes the float8 casts, and the units found next are the
+   converted modules;
+3. the units are found once, on the converted model, and both sharding and the
+   description use that one list (described before sharding renames their classes);
+4. activation checkpointing per unit before sharding (torchtitan's order too): the
+   composable form keeps parameter names, so the sharded state's names stay the model's;
+5. compile the user's module alone (replicated only): autocast and DDP's hooks stay outside
+   the compiled graph, which sees plain tensors;
+6. FSDP2 per unit and then the root, on the mesh's data-parallel dimension, or DDP;
+7. the autocast wrapper: inside DDP, so DDP's forward runs the user's forward under autocast
+   in whatever thread calls it; outside a sharded root, so autocast is entered before the
+   root gathers its weights and the sharded state's names are the model's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ddp_amp.amp.autocast import AutocastModule
+from ddp_amp.amp.float8 import convert_linears
+from ddp_amp.amp.precision import Precision
+from ddp_amp.distributed import DistContext
+from ddp_amp.errors import UsageError
+from ddp_amp.parallel.ddp import comm_hook, wrap_ddp
+from ddp_amp.parallel.fsdp import describe_units, shard_model, shard_units
+from ddp_amp.parallel.plan import ParallelPlan
+
+
+@dataclass(frozen=True)
+class Parallelized:
+    """What `parallelize` made: the model to train and what was applied to it."""
+
+    model: nn.Module
+    """The wrapped model: `DDP(AutocastModule(...))`, `AutocastModule(...)` alone, or around
+    the sharded root; `unwrap_model` reaches the user's module."""
+    description: str
+    """One line for a run's start line: 'replicated', or the units, root and options of a
+    sharded model."""
+    units: tuple[nn.Module, ...] = ()
+    """The modules sharded one by one (none when replicated)."""
+
+
+def parallelize(model: nn.Module, plan: ParallelPlan, precision: Precision, ctx: DistContext) -> Parallelized:
+    """Apply `plan` to `model` on this rank (collective where there is a group: DDP's
+    weight broadcast, or the ranks agreeing on the sharded layout)."""
+    if plan.shard and ctx.mesh is None:
+        raise UsageError("ParallelPlan.shard", True, "a process group with a device mesh",
+                         "start the session with shard=ShardOptions(): it forms a group even for one rank")
+    inner = model.to(ctx.device)
+    if precision.float8_linears:
+        inner = convert_linears(inner, emulate=precision.emulate_fp8)
+    units = shard_units(inner, plan.units) if plan.shard else []
+    # Described now: sharding changes each unit's class (FSDPLinear for a Linear).
+    description = _sharded_description(plan, units) if plan.shard else "replicated"
+    if plan.activation_checkpointing:
+        _checkpoint_each(units)
+    if plan.compile:
+        inner = torch.compile(inner)  # type: ignore[assignment]  # of a module: an OptimizedModule
+    if plan.shard:
+        inner = shard_model(inner, units, mesh=ctx.mesh, reshard_after_forward=plan.reshard_after_forward,
+                            reduce_dtype=plan.reduce_dtype)
+        wrapped: nn.Module = AutocastModule(inner, precision, cast_outputs_to_fp32=plan.cast_outputs_to_fp32)
+        return Parallelized(wrapped, description, tuple(units))
+    wrapped = AutocastModule(inner, precision, cast_outputs_to_fp32=plan.cast_outputs_to_fp32)
+    if ctx.has_group:
+        # A Python comm hook only where compression needs one; else DDP's C++ all-reduce.
+        hook = comm_hook(plan.grad_comm_dtype, ctx.backend or "gloo")
+        wrapped = wrap_ddp(wrapped, ctx.device, comm_hook=hook, **plan.ddp_keywords())
+    return Parallelized(wrapped, description)
+
+
+def _checkpoint_each(units: list[nn.Module]) -> None:
+    from torch.distributed._composable import checkpoint  # the composable form keeps parameter names
+    for unit in units:
+        checkpoint(unit)
+
+
+def _sharded_description(plan: ParallelPlan, units: list[nn.Module]) -> str:
+    extras = [text for on, text in ((plan.activation_checkpointing, "activation checkpointing per unit"),
+                                    (not plan.reshard_after_forward, "kept gathered from forward to backward"))
+              if on]
+    return f"sharded: {describe_units(units)} and the model as the root" + (f" ({', '.join(extras)})" if extras else "")

@@ -1,0 +1,102 @@
+"""How a model is parallelized: `ParallelPlan`, everything `parallelize` applies, checked once.
+
+A plan is built once per model (by `Session.setup`, from its arguments and the session's
+`ShardOptions`) and refuses a combination that cannot run when it is made, in one line
+naming the value and the fix, before anything has touched the model or the ranks.
+`replicate` and `tensor_parallel` hold the place of what comes next (a replicate x shard
+mesh, HSDP; a tensor-parallel dimension); they are refused while not implemented.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ddp_amp.errors import UsageError
+from ddp_amp.parallel.fsdp import Units
+
+# --grad-comm-dtype: the dtype gradients cross the wire in (None: fp32, DDP's own all-reduce).
+COMM_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """How a session shards its models (`--shard` and the options that go with it)."""
+
+    # Free each unit's gathered weights after its forward and gather them again for its
+    # backward (the memory FSDP saves); False keeps them from forward to backward.
+    reshard_after_forward: bool = True
+    # Recompute each unit's activations in backward instead of keeping them.
+    activation_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What `parallelize` does to one model, in the order it does it."""
+
+    shard: bool = False
+    """Shard the model over the data-parallel ranks (FSDP2: per unit, then the root); False
+    replicates it (DDP, or nothing but the autocast wrapper for a world of one)."""
+    units: Units = None
+    """Sharded: the blocks sharded one by one (module classes, or a function of the model);
+    None takes the children of the model's largest ModuleList, else its children with
+    parameters."""
+    reshard_after_forward: bool = True
+    """Sharded: free a unit's gathered weights after its forward; False keeps them to backward."""
+    activation_checkpointing: bool = False
+    """Sharded: recompute each unit's activations in backward instead of keeping them."""
+    grad_comm_dtype: str = "fp32"
+    """The dtype gradients are reduced in: fp32, bf16 or fp16 (DDP's comm hook, FSDP's
+    reduce dtype)."""
+    compile: bool = False
+    """Compile the user's module (inside the autocast wrapper and DDP); replicated only."""
+    cast_outputs_to_fp32: bool = False
+    """The autocast wrapper casts the model's floating outputs to fp32."""
+    find_unused_parameters: bool = False
+    """DDP: parameters may get no gradient in a step (costs a graph walk per step)."""
+    static_graph: bool = False
+    """DDP: the set of used parameters and the graph are the same every step."""
+    gradient_as_bucket_view: bool = True
+    """DDP: gradients are views into its buckets (one copy and one gradient set saved)."""
+    ddp_options: Mapping[str, Any] = field(default_factory=dict)
+    """DDP: any other keyword of DistributedDataParallel (bucket_cap_mb, ...)."""
+    replicate: int = 1
+    """Replicas of the sharded model (a replicate x shard mesh, HSDP); only 1 so far."""
+    tensor_parallel: Mapping[str, Any] | None = None
+    """A tensor-parallel plan (module name -> style); not implemented, None."""
+
+    def __post_init__(self) -> None:
+        if self.replicate != 1:
+            raise UsageError("ParallelPlan.replicate", self.replicate, "1 (HSDP, a replicate x shard mesh, is not "
+                             "implemented yet)", "leave replicate=1: every rank is one data-parallel shard")
+        if self.tensor_parallel is not None:
+            raise UsageError("ParallelPlan.tensor_parallel", "a plan", "None (tensor parallelism is not implemented "
+                             "yet)", "leave tensor_parallel=None: replicate or shard the model instead")
+        if self.grad_comm_dtype not in COMM_DTYPES:
+            raise UsageError("--grad-comm-dtype", self.grad_comm_dtype, "one of " + ", ".join(COMM_DTYPES), "")
+        if self.shard:
+            # What only DDP does, or sharding does not support yet, in the order setup takes it.
+            refused = ["compile_model"] if self.compile else []
+            refused += [name for name, value in self.ddp_keywords().items()
+                        if value and name != "gradient_as_bucket_view"]
+            if refused:
+                raise UsageError("setup option", refused[0], "an option of a sharded model",
+                                 f"{refused[0]} is DDP's (or not supported with sharding yet); drop it, or drop "
+                                 "sharding")
+        elif self.activation_checkpointing or not self.reshard_after_forward:
+            option = "activation_checkpointing" if self.activation_checkpointing else "reshard_after_forward"
+            raise UsageError(f"ParallelPlan.{option}", getattr(self, option), "its default for a replicated model",
+                             "these act per shard unit: set shard=True (--shard), or drop the option")
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        """The dtype of `grad_comm_dtype`; None for fp32 (no compression)."""
+        return COMM_DTYPES[self.grad_comm_dtype]
+
+    def ddp_keywords(self) -> dict[str, Any]:
+        """The keywords DDP is made with, beyond the module and its device."""
+        return {"find_unused_parameters": self.find_unused_parameters, "static_graph": self.static_graph,
+                "gradient_as_bucket_view": self.gradient_as_bucket_view, **self.ddp_options}
