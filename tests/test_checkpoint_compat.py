@@ -3,6 +3,7 @@ from copies of tests/fixtures/checkpoint_v0 (see its README for how they were ma
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ddp_amp import Session
+from ddp_amp.checkpoint.meta import Meta, read_meta
 from ddp_amp.tasks.mlp import make_model
 from tests.multiproc import run_train
 
@@ -69,3 +71,21 @@ def test_cli_resume_restores_step_and_weights(tmp_path: Path, name: str) -> None
     _assert_same(torch.load(written / "model.pt", weights_only=True), saved)
     state = torch.load(written / "state.pt", weights_only=True)
     assert state["step"] == 3 and state["samples_seen"] == 24
+
+
+@pytest.mark.parametrize("name", ["single", "shard"])
+def test_meta_reads_every_field_and_writes_the_same_json(name: str) -> None:
+    checkpoint = FIXTURES / name / "checkpoints" / STEP
+    meta = read_meta(checkpoint)  # reads only
+    assert (meta.saved_by, meta.step, meta.world_size, meta.optimizer_class) == \
+        ("ddp_amp.Trainer", 3, 1 if name == "single" else 2, "AdamW")
+    assert meta.sharded == (("model", "optimizer") if name == "shard" else ())
+    assert meta.config is not None and meta.config["task"] == "mlp" and meta.extra == {}
+    assert json.loads(meta.encode()) == json.loads((checkpoint / "meta.json").read_text())
+
+
+def test_meta_keeps_a_callers_own_keys_and_reads_an_older_record() -> None:
+    meta = Meta.from_dict({"step": "7", "note": "mine"})
+    assert meta.step == 7 and meta.extra == {"note": "mine"} and meta.to_dict() == {"step": 7, "note": "mine"}
+    assert meta.modules is None and meta.per_rank is None  # before meta.json listed them
+    assert meta.merged({"world_size": 2}).to_dict() == {"step": 7, "note": "mine", "world_size": 2}
