@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from ddp_amp.checkpoint import (META_FILE, IncompleteCheckpoint, checkpoint_root, complete_copy, list_step_dirs,
-                                read_best, read_checkpoint, resolve_resume, sharded_tensors, verify_checkpoint)
+from ddp_amp.checkpoint import (IncompleteCheckpoint, Meta, checkpoint_root, complete_copy, list_step_dirs, module_file,
+                                read_best, read_checkpoint, read_meta, resolve_resume, sharded_tensors,
+                                verify_checkpoint)
 from ddp_amp.durable import write_atomic
 from ddp_amp.errors import UsageError
-from ddp_amp.session.layout import module_file
 from ddp_amp.version import __version__
 
 SOURCE = "RUN_DIR_OR_CHECKPOINT"
@@ -159,17 +159,16 @@ def storable_tensors(state: Mapping[str, Any]) -> ExportedTensors:
     return result
 
 
-def export_metadata(meta: Mapping[str, Any], step: int, exported: ExportedTensors) -> dict[str, str]:
+def export_metadata(meta: Meta, step: int, exported: ExportedTensors) -> dict[str, str]:
     """safetensors metadata (string -> string): where the weights came from."""
-    given = meta.get("config")
-    config: Mapping[str, Any] = given if isinstance(given, dict) else {}
+    config: Mapping[str, Any] = meta.config or {}
     metadata = {
         "format": "pt",  # what Hugging Face loaders look for in a PyTorch safetensors file
         "step": str(step),
-        "precision": str(meta.get("precision", "unknown")),
+        "precision": str(meta.precision or "unknown"),
         "task": str(config.get("task", "unknown")),
         "ddp_amp_version": __version__,
-        "checkpoint_ddp_amp_version": str(meta.get("ddp_amp_version", "unknown")),
+        "checkpoint_ddp_amp_version": str(meta.ddp_amp_version or "unknown"),
     }
     if exported.shared:
         metadata["shared_tensors"] = json.dumps(exported.shared, sort_keys=True)
@@ -178,12 +177,12 @@ def export_metadata(meta: Mapping[str, Any], step: int, exported: ExportedTensor
     return metadata
 
 
-def chosen_module(path: Path, meta: Mapping[str, Any], module: str | None) -> str:
+def chosen_module(path: Path, meta: Meta, module: str | None) -> str:
     """Which module of checkpoint `path` to export: `module`, else its only one (or `model`)."""
-    saved = list(meta.get("modules", ["model"]))  # before meta.json listed them, the Trainer's model
+    saved = list(meta.modules) if meta.modules is not None else ["model"]  # before meta.json listed them
     if module is None and ("model" in saved or len(saved) == 1):
         module = "model" if "model" in saved else saved[0]
-    present = module in meta.get("sharded", ()) or (module is not None and (path / module_file(module)).is_file())
+    present = module in meta.sharded or (module is not None and (path / module_file(module)).is_file())
     if module is None or module not in saved or not present:
         hint = (f"name one with --module ({', '.join(saved)})" if saved else
                 "it holds no module: a Session.save of a model (state {'model': model}) writes one")
@@ -192,13 +191,13 @@ def chosen_module(path: Path, meta: Mapping[str, Any], module: str | None) -> st
     return module
 
 
-def read_model_state(path: Path, module: str | None = None) -> tuple[dict[str, Any], dict[str, Any], int]:
+def read_model_state(path: Path, module: str | None = None) -> tuple[dict[str, Any], Meta, int]:
     """(a module's state dict, meta.json, step) of verified checkpoint `path`; a sharded module's
     shards are put together here, in this process."""
     try:
-        meta = json.loads((path / META_FILE).read_text())
+        meta = read_meta(path, what=SOURCE)
         key = chosen_module(path, meta, module)
-        if key in meta.get("sharded", ()):
+        if key in meta.sharded:
             state: Any = sharded_tensors(path, key)
         else:
             state = read_checkpoint(path, [module_file(key)], what=SOURCE).files[module_file(key)]
@@ -211,9 +210,9 @@ def read_model_state(path: Path, module: str | None = None) -> tuple[dict[str, A
     return dict(state), meta, _step_of(path, meta)
 
 
-def _step_of(path: Path, meta: Mapping[str, Any]) -> int:
+def _step_of(path: Path, meta: Meta) -> int:
     """The optimizer step the checkpoint was taken at: meta.json's, else the manifest's."""
-    step = meta.get("step")
+    step: Any = meta.step
     if step is None:
         step = verify_checkpoint(path, check_hashes=False).get("step", 0)  # sizes only: hashed already
     try:

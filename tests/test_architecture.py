@@ -43,6 +43,17 @@ def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
     assert "ddp_amp.amp.scaler -> ddp_amp.trainer" in result.stdout
 
 
+def test_a_trainer_import_of_the_checkpoint_package_breaks_its_contract(tmp_path: Path) -> None:
+    shutil.copytree(REPO_ROOT / "ddp_amp", tmp_path / "ddp_amp", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    best = tmp_path / "ddp_amp" / "trainer" / "best.py"
+    best.write_text(best.read_text() + "\nfrom ddp_amp.checkpoint import read_best  # past the session, on purpose\n")
+    result = _lint(tmp_path)
+    assert result.returncode != 0
+    assert "the Trainer reaches checkpoints only through its Session BROKEN" in result.stdout, result.stdout[-3000:]
+    assert "ddp_amp.trainer.best -> ddp_amp.checkpoint" in result.stdout
+
+
 def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
     """Strongly connected groups of more than one module (Tarjan, iterative)."""
     order: dict[str, int] = {}

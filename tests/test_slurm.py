@@ -31,7 +31,7 @@ def _summary(cwd: Path, job_id: str) -> dict:
 
 def _final_weights(run_dir: Path) -> dict:
     from ddp_amp.checkpoint.discovery import checkpoint_root, list_step_dirs
-    from ddp_amp.session.layout import module_file
+    from ddp_amp.checkpoint.layout import module_file
 
     _, newest = list_step_dirs(checkpoint_root(run_dir))[-1]
     return torch.load(newest / module_file("model"), weights_only=True)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ddp_amp.checkpoint.meta import Meta
 from ddp_amp.checkpoint.rng import gather_rng_states
 from ddp_amp.checkpoint.save import build_contents, commit_outcome, commit_to
 from ddp_amp.checkpoint.sharded import start_sharded_write
@@ -103,7 +104,7 @@ class BackgroundSaver:
         """The checkpoint whose write was started and whose outcome is not learned yet (every rank)."""
         return self._write.target if self._write is not None else None
 
-    def start(self, target: Path, files: dict[str, Any], meta: dict[str, Any], device: torch.device,
+    def start(self, target: Path, files: dict[str, Any], meta: Meta, device: torch.device,
               world_size: int, keep_last: int = 0) -> None:
         """Start writing the checkpoint `target` (collective); returns once it is copied.
 
@@ -122,7 +123,7 @@ class BackgroundSaver:
         on_rank_zero(stage)
         self._write = write
 
-    def start_sharded(self, target: Path, files: dict[str, Any], meta: dict[str, Any], sharded: dict[str, Any],
+    def start_sharded(self, target: Path, files: dict[str, Any], meta: Meta, sharded: dict[str, Any],
                       device: torch.device, world_size: int, keep_last: int, group: Any) -> None:
         """Start a sharded checkpoint (`sharded.save_sharded`'s) in the background (collective):
         every rank's shards go through torch.distributed.checkpoint's async save on `group` (a

@@ -19,7 +19,6 @@ STEP_DIR = re.compile(r"^step-(\d{8,})$")
 # aside for a moment while the same name is saved again (see commit._move_into_place).
 SCRATCH_PREFIX = ".tmp-"
 ASIDE_PREFIX = ".tmp-old-"
-RESUME_CHOICES = ("auto", "none")
 
 
 def step_dir_name(step: int) -> str:

@@ -9,20 +9,17 @@ is applied, so a refused checkpoint leaves the live objects untouched everywhere
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
-
 from ddp_amp.amp import AgreedGradScaler
 from ddp_amp.checkpoint.discovery import resolve_resume
 from ddp_amp.checkpoint.manifest import IncompleteCheckpoint, read_manifest
-from ddp_amp.checkpoint.rng import restore_rng
+from ddp_amp.checkpoint.meta import Meta, read_meta
 from ddp_amp.checkpoint.safe_types import safe_load
-from ddp_amp.checkpoint.save import META_FILE, RNG_FILE
+from ddp_amp.checkpoint.save import RNG_FILE
 from ddp_amp.distributed import all_gather_objects, broadcast_object, on_every_rank, on_rank_zero
 from ddp_amp.errors import UsageError
 
@@ -34,7 +31,7 @@ class LoadedCheckpoint:
     """One checkpoint's contents, read from disk, not yet applied."""
 
     path: Path
-    meta: dict[str, Any]
+    meta: Meta
     files: dict[str, Any]
     rng: list[dict[str, Any]]
 
@@ -42,12 +39,7 @@ class LoadedCheckpoint:
 def read_checkpoint(path: Path, names: Sequence[str] | None = None, what: str = "--resume") -> LoadedCheckpoint:
     """Read `meta.json`, `rng.pt` and the named files of checkpoint `path` (no collectives);
     `names` None: every `.pt` file its manifest lists."""
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-    except (OSError, ValueError) as error:
-        raise UsageError(what, str(path), f"a checkpoint directory with a readable {META_FILE}",
-                         f"it could not be read ({error}); every rank must see it (shared "
-                         "filesystem)") from None
+    meta = read_meta(path, what)
     if names is None:
         try:
             listed = read_manifest(path)["files"]
@@ -80,12 +72,6 @@ def read_agreed(path: Path, names: Sequence[str] | None, check: Callable[[Loaded
             raise _as_usage_error(error, path, what) from None
 
     return on_every_rank(read_and_check)
-
-
-def restore_own_rng(loaded: LoadedCheckpoint, rank: int, device: torch.device) -> None:
-    """Give this rank back its own RNG streams, where the checkpoint has a state for it."""
-    if rank < len(loaded.rng):
-        restore_rng(loaded.rng[rank], device)
 
 
 def restore_scaler(scaler: AgreedGradScaler, saved: dict[str, Any], skipped_total: int,

@@ -15,7 +15,6 @@ description) are added here.
 from __future__ import annotations
 
 import errno
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,13 +25,14 @@ import torch
 from ddp_amp.checkpoint.commit import check_writable, commit_checkpoint
 from ddp_amp.checkpoint.discovery import list_step_dirs
 from ddp_amp.checkpoint.manifest import MANIFEST_NAME, FileRecord
+from ddp_amp.checkpoint.meta import META_FILE, Meta
 from ddp_amp.checkpoint.rng import gather_rng_states
 from ddp_amp.checkpoint.safe_types import check_loadable
 from ddp_amp.distributed import on_rank_zero
 from ddp_amp.errors import CheckpointError, UsageError
 from ddp_amp.version import __version__
 
-META_FILE, RNG_FILE = "meta.json", "rng.pt"
+RNG_FILE = "rng.pt"
 _NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 
 
@@ -71,7 +71,7 @@ def _entries(files: dict[str, Any]) -> list[tuple[str, Any]]:
     return found
 
 
-def build_contents(files: dict[str, Any], meta: dict[str, Any], rng_states: list[dict[str, Any]] | None,
+def build_contents(files: dict[str, Any], meta: Meta, rng_states: list[dict[str, Any]] | None,
                    world_size: int) -> dict[str, Any]:
     """Rank 0: every file the commit writes, once each value is known to load back.
 
@@ -80,10 +80,9 @@ def build_contents(files: dict[str, Any], meta: dict[str, Any], rng_states: list
     """
     for name, value in _entries(files):
         check_loadable(name, value)
-    description = {**meta, "world_size": world_size, "ddp_amp_version": __version__,
-                   "torch_version": torch.__version__}
-    return {**files, RNG_FILE: {"ranks": rng_states},
-            META_FILE: (json.dumps(description, indent=2, sort_keys=True, default=str) + "\n").encode()}
+    description = meta.merged({"world_size": world_size, "ddp_amp_version": __version__,
+                               "torch_version": torch.__version__})
+    return {**files, RNG_FILE: {"ranks": rng_states}, META_FILE: description.encode()}
 
 
 def commit_outcome(target: Path, commit: Callable[[dict[str, Any]], Path],
@@ -119,7 +118,7 @@ def commit_to(target: Path, keep_last: int = 0, written: tuple[Path, dict[str, F
     return commit
 
 
-def save_directory(target: Path, files: dict[str, Any], meta: dict[str, Any], device: torch.device,
+def save_directory(target: Path, files: dict[str, Any], meta: Meta, device: torch.device,
                    world_size: int, keep_last: int = 0) -> SaveResult:
     """Commit a checkpoint as the directory `target` (collective; see `commit_to`).
 

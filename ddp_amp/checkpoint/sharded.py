@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 
 from ddp_amp.checkpoint.commit import new_scratch
 from ddp_amp.checkpoint.manifest import FileRecord, record_of
+from ddp_amp.checkpoint.meta import Meta
 from ddp_amp.checkpoint.rng import gather_rng_states
 from ddp_amp.checkpoint.save import SaveResult, build_contents, commit_outcome, commit_to, write_failure
 from ddp_amp.checkpoint.sharded_reader import SafeShardReader
@@ -69,7 +70,7 @@ def _commit(target: Path, scratch: Path, reports: list[Report], contents: dict[s
     return commit_outcome(target, commit_to(target, keep_last, (scratch, written)), contents)
 
 
-def save_sharded(target: Path, files: dict[str, Any], meta: dict[str, Any], sharded: dict[str, Any],
+def save_sharded(target: Path, files: dict[str, Any], meta: Meta, sharded: dict[str, Any],
                  device: torch.device, world_size: int, keep_last: int = 0) -> SaveResult:
     """Commit a checkpoint at `target` whose `sharded` state every rank writes its part of
     (collective; `files` and `meta` as for `save_directory`, written by rank 0)."""

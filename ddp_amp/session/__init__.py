@@ -2,15 +2,16 @@
 
 - `core`: `Session` (launcher, process group, precision, scaler, `parallelize` and unwrapping,
   the AMP step, the failure watch, teardown);
-- `checkpoints`: saving in the background or now, reading on every rank, restoring;
-- `layout`: the one checkpoint layout, which `--resume` and `python -m ddp_amp.export` read.
+- `models`: wrapping and unwrapping the user's models.
+
+Checkpoints are the session's `Checkpointer` (`ddp_amp.checkpoint`); its types are
+re-exported here for a loop that saves and reads them.
 
 Imports every layer below it; the Trainer builds on it.
 """
 
+from ddp_amp.checkpoint import BestRecord, Checkpointer, Meta, Saved, SavedState
 from ddp_amp.parallel import ShardOptions
-from ddp_amp.session.checkpoints import Saved
 from ddp_amp.session.core import Session
-from ddp_amp.session.layout import SavedState
 
-__all__ = ["Saved", "SavedState", "Session", "ShardOptions"]
+__all__ = ["BestRecord", "Checkpointer", "Meta", "Saved", "SavedState", "Session", "ShardOptions"]

@@ -12,8 +12,7 @@
 
 It is the run core, and the Trainer is a loop over it: `detect_env` -> `init_distributed`
 -> `resolve_precision` -> `parallelize` + `AgreedGradScaler` -> the AMP step (`amp_step`) ->
-checkpoints in one layout (layout.py) through `ddp_amp.checkpoint`'s commit protocol, now
-or in the background (checkpoints.py). A failure watch ends this rank when a peer fails.
+checkpoints (its `Checkpointer`). A failure watch ends this rank when a peer fails.
 Leaving the block always leaves the process group, after releasing the DDP wrappers it made
 (docs/facts.md: tearing gloo down under a live DDP reducer can abort the process).
 """
@@ -41,9 +40,8 @@ from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import check_rank_sync
 from ddp_amp.metrics.trackers import Trackers, start_trackers_on_rank_zero
+from ddp_amp.checkpoint import Checkpointer, Saved, SavedState
 from ddp_amp.parallel import ShardOptions, Units, fused_kernel_takes
-from ddp_amp.session.checkpoints import Saved, SessionCheckpoints
-from ddp_amp.session.layout import SavedState
 from ddp_amp.session.models import SessionModels
 
 log = logging.getLogger(__name__)
@@ -67,7 +65,7 @@ class Session:
         self._ctx: DistContext | None = None
         self._precision: Precision | None = None
         self._scaler: AgreedGradScaler | None = None
-        self._checkpoints: SessionCheckpoints | None = None
+        self._checkpoints: Checkpointer | None = None
         self._models: SessionModels | None = None
         self._owns_group = False
         self._watch: PeerWatch | None = None
@@ -98,7 +96,7 @@ class Session:
         self._owns_group = owns_group
         self._ctx = ctx
         self._models = SessionModels(ctx, self._precision, self._shard)
-        self._checkpoints = SessionCheckpoints(ctx, self._precision, self._scaler, self._models, log.warning)
+        self._checkpoints = Checkpointer(ctx, self._precision, self._scaler, log.warning)
         # A peer whose exception leaves its session block ends this process too (failure.py),
         # and so do a silent peer and a launcher that is gone (watch.py).
         self._watch = PeerWatch(ctx.store, ctx.env, ctx.progress).start()
@@ -329,7 +327,7 @@ class Session:
         self.ctx  # noqa: B018 - raises when not started
         return start_trackers_on_rank_zero(list(specs), Path(run_dir), dict(config or {}), start_step, log.warning)
 
-    # -- checkpoints: one layout (layout.py), the commit protocol of ddp_amp.checkpoint -----
+    # -- checkpoints: the Checkpointer's, in one layout and commit protocol ------------------
 
     def save(self, path: str | os.PathLike[str], state: Mapping[str, Any], *,
              per_rank: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
@@ -351,13 +349,13 @@ class Session:
         or `wait_for_save()` learns the outcome. A failed write raises `CheckpointError` on
         every rank (older checkpoints are untouched).
         """
-        saved = self._saver().save(Path(path), state, per_rank or {}, meta or {}, keep_last, background)
+        saved = self.checkpointer.save(Path(path), state, per_rank or {}, meta or {}, keep_last, background)
         return saved.path if saved is not None else None
 
     def wait_for_save(self) -> Saved | None:
         """Wait for the background save in flight, if any (collective): where it was saved
         and how long rank 0 took, or its `CheckpointError` raised on every rank."""
-        return self._saver().wait()
+        return self.checkpointer.wait()
 
     def read(self, path: str | os.PathLike[str], check: Callable[[SavedState], T] | None = None
              ) -> tuple[SavedState, T | None]:
@@ -366,13 +364,13 @@ class Session:
         Every rank reads the directory (it must be on a filesystem every rank sees); any
         rank's refusal, a failed read or `check`'s UsageError, is raised on every rank.
         """
-        return self._saver().read(Path(path), check)
+        return self.checkpointer.read(Path(path), check)
 
     def restore(self, saved: SavedState, state: Mapping[str, Any], *, restore_rng: bool = True,
                 notice: Callable[[str], None] = log.info) -> dict[str, Any]:
         """Load a `read` checkpoint into the objects of `state` and the scaler (collective):
         see `load`. Returns the saved plain values, with this rank's per-rank ones."""
-        return self._saver().restore(saved, state, restore_rng, notice)
+        return self.checkpointer.restore(saved, state, restore_rng, notice)
 
     def load(self, path: str | os.PathLike[str], state: Mapping[str, Any], *,
              restore_rng: bool = True) -> dict[str, Any]:
@@ -385,15 +383,17 @@ class Session:
         uninterrupted one would. Returns the plain values saved (a step count, say) and this
         rank's own per-rank values.
         """
-        saved, _ = self.read(path, self._saver().holds_keys(list(state)))
+        saved, _ = self.read(path, self.checkpointer.holds_keys(list(state)))
         return self.restore(saved, state, restore_rng=restore_rng)
 
     def latest(self, root: str | os.PathLike[str]) -> Path | None:
         """The newest complete `step-N` checkpoint under `root`, or None (collective: rank 0
         verifies the manifests, every rank gets the answer)."""
-        return self._saver().latest(Path(root))
+        return self.checkpointer.latest(Path(root))
 
-    def _saver(self) -> SessionCheckpoints:
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """The session's `Checkpointer` (its save, find, read and restore; collectives)."""
         self.ctx  # noqa: B018 - raises when not started
         return self._checkpoints  # type: ignore[return-value]
 

@@ -2,7 +2,7 @@
 
 After each evaluation (the cadence's and the final one) the metric is compared with the
 best so far; a strictly better value saves a checkpoint at that step, if there is none
-yet, and points `checkpoints/best.json` at it (checkpoint/best.py), so retention keeps it
+yet, and points `checkpoints/best.json` at it (the Checkpointer's `keep_best`), so retention keeps it
 beside the last `--keep-last`. The best so far is read back from that pointer on a
 resume. Eval metrics are means over all ranks, so every rank takes the same decision and
 calls the collective save together. At the end, a task's `test_data` is scored with the
@@ -16,24 +16,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.checkpoint import BestRecord, read_best, write_best
-from ddp_amp.distributed import on_rank_zero
 from ddp_amp.option_values import METRIC_GOAL, MetricGoal
+from ddp_amp.session import BestRecord, Checkpointer
 from ddp_amp.trainer.evaluation import metric_of
 
 
 class BestKeeper:
     """Decides, after each evaluation, whether this step's checkpoint is the new best."""
 
-    def __init__(self, goal: MetricGoal, root: Path, info: Callable[[str], None]) -> None:
-        self.goal, self.root, self.info = goal, root, info
+    def __init__(self, goal: MetricGoal, checkpointer: Checkpointer, root: Path, info: Callable[[str], None]) -> None:
+        self.goal, self.checkpointer, self.root, self.info = goal, checkpointer, root, info
         self.best: BestRecord | None = None
         self.reload()
 
     def reload(self) -> None:
         """Take the best so far from the run's pointer (after a resume); one for another
         metric or direction does not count."""
-        saved = read_best(self.root)
+        saved = Checkpointer.best(self.root)
         matches = saved is not None and (saved.metric, saved.mode) == self.goal
         self.best = saved if matches and saved.directory(self.root).is_dir() else None
 
@@ -49,6 +48,6 @@ class BestKeeper:
         if save() is None:  # checkpointing off or the write failed: nothing to point at
             return
         best = BestRecord(self.goal.metric, self.goal.mode, value, step)
-        on_rank_zero(lambda: write_best(self.root, best))
+        self.checkpointer.keep_best(self.root, best)
         self.best = best
         self.info(f"best {self.goal.metric}={value:.6g} so far: checkpoint of step {step} kept (--keep-best)")

@@ -18,10 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ddp_amp import checkpoint
 from ddp_amp.errors import CheckpointError
 from ddp_amp.guards import RunWatch
-from ddp_amp.session import Session
+from ddp_amp.session import Meta, Session
 from ddp_amp.trainer.resume import Restored, TrainingParts, restore_training_state
 from ddp_amp.trainer.schedules import SchedulerDriver
 
@@ -47,13 +46,14 @@ class RunCheckpoints:
             return None
         self.wait()  # one in flight: the previous background save's outcome first
         if self._saved_step == step:
-            return self.root / checkpoint.step_dir_name(step)
+            return self.session.checkpointer.step_path(self.root, step)
         try:
             started = time.perf_counter()
             if self.schedule is not None:
                 self.schedule.before_checkpoint()
             self.watch.before_checkpoint(step, self._resume_hint())  # may stop every rank, nothing written
-            path = self.session.save(self.root / checkpoint.step_dir_name(step), self._state(step, samples_seen),
+            target = self.session.checkpointer.step_path(self.root, step)
+            path = self.session.save(target, self._state(step, samples_seen),
                                      per_rank=self._per_rank(), meta=self._meta(step), keep_last=self.keep_last,
                                      background=background)
         except CheckpointError as error:
@@ -61,7 +61,7 @@ class RunCheckpoints:
             raise
         if path is None:
             self._writing_step = step
-            self.info(f"checkpoint {checkpoint.step_dir_name(step)} started in the background "
+            self.info(f"checkpoint {target.name} started in the background "
                       f"(stall {time.perf_counter() - started:.2f} s)")
         else:
             self._committed(step, path, time.perf_counter() - started, "")
@@ -92,7 +92,8 @@ class RunCheckpoints:
         restored = restore_training_state(self.session, path, self.parts, self.info, optimizer_may_change)
         # Saving this step again would only rewrite what is there; elsewhere (another run's
         # checkpoint) it must still be written into this run's directory.
-        own = self.root is not None and path.resolve() == (self.root / checkpoint.step_dir_name(restored.step)).resolve()
+        own = self.root is not None and \
+            path.resolve() == self.session.checkpointer.step_path(self.root, restored.step).resolve()
         self._saved_step = restored.step if own else None
         self.last = path
         return restored
@@ -125,10 +126,10 @@ class RunCheckpoints:
     def _meta(self, step: int) -> dict[str, Any]:
         """What a resume checks before it loads any tensor."""
         stream = self.parts.stream
-        return {"saved_by": "ddp_amp.Trainer", "step": step, "micro_batch_size": stream.micro_batch_size,
-                "dp_size": self.session.ctx.dp_size,  # what the data position is a position over
-                "batches_per_epoch": stream.batches_per_epoch, "optimizer_class": self.parts.optimizer_names(),
-                "config": self.config}
+        return Meta(saved_by="ddp_amp.Trainer", step=step, micro_batch_size=stream.micro_batch_size,
+                    dp_size=self.session.ctx.dp_size,  # what the data position is a position over
+                    batches_per_epoch=stream.batches_per_epoch, optimizer_class=self.parts.optimizer_names(),
+                    config=self.config).to_dict()
 
     def _resume_hint(self) -> str:
         if self.last is None:

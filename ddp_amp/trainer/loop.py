@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from ddp_amp.amp import AgreedGradScaler, AutocastModule
-from ddp_amp.checkpoint import choose_checkpoint
 from ddp_amp.config import TrainConfig
 from ddp_amp.data import make_stream
 from ddp_amp.data.options import DataOptions
@@ -108,7 +107,7 @@ class Trainer:
         self.profile = ProfileWindow(config.profile_steps, config.memory_snapshot,
                                      checkpoint_root.parent / "profile" if checkpoint_root is not None else None,
                                      ctx.rank, self.device, run_log.info)
-        self.best = BestKeeper(config.keep_best, checkpoint_root, run_log.info) \
+        self.best = BestKeeper(config.keep_best, session.checkpointer, checkpoint_root, run_log.info) \
             if config.keep_best and checkpoint_root is not None else None
         self.step = 0  # optimizer steps attempted; skipped fp16 steps count
         self.samples_seen = 0
@@ -335,7 +334,7 @@ class Trainer:
         restored = self.checkpoints.load(Path(path), optimizer_may_change="optimizer" in self.config.allow_change)
         self.step, self.samples_seen = restored.step, restored.samples_seen
         if restored.optimizer_loaded:
-            self._apply_new_lr(restored.meta.get("config", {}))
+            self._apply_new_lr(restored.meta.config or {})
         if self.schedule is not None:
             self.schedule.after_load()
         self._progress.step, self._progress.checkpoint = self.step, str(path)  # what the watch reports
@@ -357,7 +356,7 @@ class Trainer:
         root = self.checkpoints.root
         if root is None and choice == "auto":
             return None
-        path = choose_checkpoint(choice, root or Path(choice), self.run_log.warn)
+        path = self.session.checkpointer.choose(choice, root or Path(choice), self.run_log.warn)
         if path is not None:
             self.load_checkpoint(path)
         if self.best is not None:  # what this run's checkpoints hold now (none after an archive)

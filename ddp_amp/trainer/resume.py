@@ -13,7 +13,7 @@ before it loads any tensor. A checkpoint written by a user's own `Session.save` 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +22,8 @@ import torch
 from torch import nn
 
 from ddp_amp.data import Stream
-from ddp_amp.distributed import to_device
 from ddp_amp.errors import UsageError
-from ddp_amp.session import SavedState, Session
+from ddp_amp.session import Meta, SavedState, Session
 
 
 @dataclass
@@ -56,7 +55,7 @@ class Restored:
 
     step: int
     samples_seen: int
-    meta: dict[str, Any]
+    meta: Meta
     optimizer_loaded: bool  # False where the optimizer changed and starts fresh
 
 
@@ -90,10 +89,12 @@ def check_model_shapes(path: Path, model: nn.Module, saved: dict[str, tuple[int,
                          "run was saved with, or --resume none / another --run-dir to start fresh")
 
 
-def map_data_position(meta: dict[str, Any], position: dict[str, int], dp_size: int,
+def map_data_position(meta: Mapping[str, Any], position: dict[str, int], dp_size: int,
                       micro_batch_size: int, batches_per_epoch: int, path: str = "checkpoint") -> dict[str, int]:
     """The stream position for `dp_size` data-parallel ranks, or UsageError if it does not
     map exactly.
+
+    `meta` is the saved batch geometry: world_size, micro_batch_size, batches_per_epoch.
 
     DistributedSampler deals one permutation out round-robin, so after j micro-batches of m
     on each of W data-parallel ranks exactly the first W*j*m samples of the epoch are used.
@@ -141,7 +142,7 @@ def _fits(saved: SavedState, parts: TrainingParts, rank: int, world_size: int, d
     """Check, on every rank, that `saved` resumes this run; raise UsageError where it does not."""
     path = saved.path
     check_model_shapes(path, Session.unwrap(parts.model), saved.shapes("model"))
-    optimizer = saved.holds("optimizer") and _optimizer_fits(path, saved.meta.get("optimizer_class"),
+    optimizer = saved.holds("optimizer") and _optimizer_fits(path, saved.meta.optimizer_class,
                                                              parts.optimizer_names(), optimizer_may_change)
     for key in ("data", "task_state"):
         if key in saved.per_rank and len(saved.per_rank[key]) != world_size:
@@ -160,7 +161,9 @@ def _fits(saved: SavedState, parts: TrainingParts, rank: int, world_size: int, d
     if position is None:  # written by a loop of the user's own: no position to map
         return _Fit(None, optimizer)
     stream = parts.stream
-    return _Fit(map_data_position(saved.meta, position, dp_size, stream.micro_batch_size,
+    geometry = {"world_size": saved.world_size, "dp_size": saved.meta.dp_size or saved.world_size,
+                "micro_batch_size": saved.meta.micro_batch_size, "batches_per_epoch": saved.meta.batches_per_epoch}
+    return _Fit(map_data_position(geometry, position, dp_size, stream.micro_batch_size,
                                   # a shared position is a map-style shard's, whose pass length is known
                                   stream.batches_per_epoch, str(path)), optimizer)  # type: ignore[arg-type]
 
@@ -178,12 +181,12 @@ def restore_training_state(session: Session, path: Path, parts: TrainingParts, n
     if fit.optimizer:  # type: ignore[union-attr]
         state["optimizer"] = parts.optimizer_state()
     elif saved.holds("optimizer"):
-        notice(f"the optimizer changed from {saved.meta['optimizer_class']} to {parts.optimizer_names()} "
+        notice(f"the optimizer changed from {saved.meta.optimizer_class} to {parts.optimizer_names()} "
                "(--allow-change optimizer): it starts fresh")
     if parts.scheduler is not None and saved.values.get("scheduler") is not None:
         state["scheduler"] = parts.scheduler
     if parts.task_state is not None and "task_state" in saved.per_rank:
-        state["task_state"] = _OnDevice(parts.task_state, session.device)
+        state["task_state"] = _OnDevice(parts.task_state, session)
     elif parts.task_state is not None:
         notice("the checkpoint holds no task state (Task.state): the task's state starts fresh")
     values = session.restore(saved, state, notice=notice)
@@ -201,8 +204,8 @@ def restore_training_state(session: Session, path: Path, parts: TrainingParts, n
 class _OnDevice:
     """A task's state loaded with its tensors moved to the run's device (saved on the CPU)."""
 
-    def __init__(self, state: Any, device: torch.device) -> None:
-        self.state, self.device = state, device
+    def __init__(self, state: Any, session: Session) -> None:
+        self.state, self.session = state, session
 
     def load_state_dict(self, saved: Any) -> None:
-        self.state.load_state_dict(to_device(saved, self.device))
+        self.state.load_state_dict(self.session.to_device(saved))

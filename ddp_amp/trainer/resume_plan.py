@@ -12,7 +12,6 @@ new run can pick them up. Rank 0 decides; every rank gets the plan or the error.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -21,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.checkpoint import META_FILE, checkpoint_root, list_step_dirs, resolve_resume
 from ddp_amp.config import TrainConfig, flag_of, same_setting
 from ddp_amp.distributed import on_rank_zero
 from ddp_amp.durable import fsync_dir
 from ddp_amp.errors import UsageError
+from ddp_amp.session import Checkpointer
 
 
 class ConfigDrift(UsageError):
@@ -87,9 +86,9 @@ def _archive(root: Path) -> str:
 
 
 def _decide(config: TrainConfig, run_dir: Path) -> ResumePlan:
-    root = checkpoint_root(run_dir)
+    root = Checkpointer.root_of(run_dir)
     if config.resume == "none":
-        existing = list_step_dirs(root)
+        existing = Checkpointer.steps(root)
         if not existing:
             return ResumePlan(None)
         if not config.archive_checkpoints:
@@ -98,14 +97,14 @@ def _decide(config: TrainConfig, run_dir: Path) -> ResumePlan:
                              "resume them (--resume auto), start elsewhere (--run-dir / --run-name), or add "
                              "--archive-checkpoints to move them aside")
         return ResumePlan(None, notices=(_archive(root),))
-    path = resolve_resume(config.resume, root, _warn)
+    path = Checkpointer.resolve(config.resume, root, _warn)
     if path is None:
         return ResumePlan(None)
-    meta = json.loads((path / META_FILE).read_text())
-    refused, names, noticed = compare_settings(meta.get("config", {}), config)
+    meta = Checkpointer.read_meta(path)
+    refused, names, noticed = compare_settings(meta.config or {}, config)
     if refused:
         raise ConfigDrift(str(path), refused, names)
-    return ResumePlan(path, int(meta.get("step", 0)), tuple(noticed))
+    return ResumePlan(path, meta.step or 0, tuple(noticed))
 
 
 def plan_resume(config: TrainConfig, run_dir: Path) -> ResumePlan:

@@ -32,7 +32,9 @@ import torch
 from torch import Tensor, nn
 
 from ddp_amp.amp import unwrap_model
-from ddp_amp.checkpoint import LoadedCheckpoint, sharded_shapes
+from ddp_amp.checkpoint.load import LoadedCheckpoint
+from ddp_amp.checkpoint.meta import Meta
+from ddp_amp.checkpoint.sharded import sharded_shapes
 from ddp_amp.errors import UsageError
 
 STATE_FILE = "state.pt"
@@ -119,7 +121,7 @@ class SavedState:
     """A checkpoint in this layout, read from disk and checked, not yet applied."""
 
     path: Path
-    meta: dict[str, Any]
+    meta: Meta
     values: dict[str, Any]  # state.pt, the scaler's entry included
     modules: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> state dict
     per_rank: dict[str, list[Any]] = field(default_factory=dict)  # key -> every rank's value
@@ -128,16 +130,18 @@ class SavedState:
     @property
     def sharded(self) -> list[str]:
         """The entries written sharded, under sharded/ (a sharded model and its optimizer)."""
-        return list(self.meta.get("sharded", ()))
+        return list(self.meta.sharded)
 
     @property
     def world_size(self) -> int:
-        return int(self.meta.get("world_size", len(self.rng) or 1))
+        return self.meta.world_size if self.meta.world_size is not None else (len(self.rng) or 1)
 
     @property
     def scaler_skipped_total(self) -> int:
         # In meta.json since there is one layout; inside the Trainer's old train.pt before.
-        return int(self.meta.get("scaler_skipped_total", self.values.get("scaler_skipped_total", 0)))
+        if self.meta.scaler_skipped_total is not None:
+            return self.meta.scaler_skipped_total
+        return int(self.values.get("scaler_skipped_total", 0))
 
     def holds(self, key: str) -> bool:
         return key in self.modules or key in self.values or key in self.per_rank or key in self.sharded
@@ -165,7 +169,7 @@ def saved_state(loaded: LoadedCheckpoint) -> SavedState:
     state_name = STATE_FILE if STATE_FILE in loaded.files else LEGACY_STATE_FILE
     values = dict(loaded.files.get(state_name) or {})
     # meta.json names the per-rank files; before it did, they were the Trainer's two.
-    per_rank_keys = set(loaded.meta.get("per_rank", ("data", "task_state")))
+    per_rank_keys = set(loaded.meta.per_rank if loaded.meta.per_rank is not None else ("data", "task_state"))
     modules, per_rank = {}, {}
     for name, payload in loaded.files.items():
         key = name.removesuffix(".pt")

@@ -1,5 +1,7 @@
-"""A session's checkpoints: saved in the one layout (layout.py), now or in the background,
-read and checked on every rank before anything is applied, then restored.
+"""`Checkpointer`: the one object behind every checkpoint of a run, the Trainer's and a
+`Session` loop's: saved in the one layout (layout.py) now or in the background, found
+(the newest complete one, `--resume auto|none|PATH`), read and checked on every rank before
+anything is applied, then restored (DCP shards resharded onto this world, each rank's RNG).
 
 Saving is collective: every rank calls it; per-rank entries are gathered, RNG states too,
 and rank 0 commits through `ddp_amp.checkpoint`'s protocol (temporary directory, fsync,
@@ -23,14 +25,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ddp_amp import checkpoint
 from ddp_amp.amp import AgreedGradScaler, Precision
+from ddp_amp.checkpoint.background import BackgroundSaver
+from ddp_amp.checkpoint.best import BestRecord, read_best, write_best
+from ddp_amp.checkpoint.discovery import (checkpoint_root, complete_copy, list_step_dirs, newest_complete,
+                                          resolve_resume, step_dir_name)
+from ddp_amp.checkpoint.layout import (SCALER_KEY, SavedState, check_keys, layout_files, load_into, saved_state,
+                                       state_of)
+from ddp_amp.checkpoint.load import LoadedCheckpoint, choose_checkpoint, read_agreed, restore_scaler
+from ddp_amp.checkpoint.meta import Meta, read_meta
+from ddp_amp.checkpoint.rng import restore_rng as restore_rng_states
+from ddp_amp.checkpoint.save import save_directory
+from ddp_amp.checkpoint.sharded import load_sharded, save_sharded
+from ddp_amp.checkpoint.sharded_state import dcp_form, put_back, restore_full, sharded_keys
 from ddp_amp.distributed import DistContext, all_gather_objects, mark_agreed, on_rank_zero
 from ddp_amp.errors import UsageError
-from ddp_amp.session.layout import (SCALER_KEY, SavedState, check_keys, layout_files, load_into, saved_state,
-                                    state_of)
-from ddp_amp.session.models import SessionModels
-from ddp_amp.session.sharded_state import dcp_form, put_back, restore_full, sharded_keys
 
 T = TypeVar("T")
 
@@ -49,13 +58,17 @@ def _to_host(value: Any) -> Any:
     return tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, state_of(value))
 
 
-class SessionCheckpoints:
-    """Save, read and restore checkpoints of one session's state (collectives throughout)."""
+class Checkpointer:
+    """Save, find, read and restore the checkpoints of one process group's state.
 
-    def __init__(self, ctx: DistContext, precision: Precision, scaler: AgreedGradScaler, models: SessionModels,
+    The methods of an instance are collectives (every rank calls them alike); the static
+    ones read the disk on the calling rank alone, for decisions made before a run starts.
+    """
+
+    def __init__(self, ctx: DistContext, precision: Precision, scaler: AgreedGradScaler,
                  warn: Callable[[str], None]) -> None:
-        self.ctx, self.precision, self.scaler, self.models, self.warn = ctx, precision, scaler, models, warn
-        self._background = checkpoint.BackgroundSaver()
+        self.ctx, self.precision, self.scaler, self.warn = ctx, precision, scaler, warn
+        self._background = BackgroundSaver()
         self._group: dist.ProcessGroup | None = None
 
     def _save_group(self) -> dist.ProcessGroup:
@@ -83,15 +96,14 @@ class SessionCheckpoints:
         if sharded:  # written by every rank, each its shards, under sharded/
             listed["modules"] = sorted(listed["modules"] + [k for k in sharded if isinstance(state[k], nn.Module)])
             listed["sharded"] = sharded
-        description = {"saved_by": "ddp_amp", "precision": self.precision.name,
-                       "loss_scaling": self.scaler.is_enabled(),
-                       "scaler_skipped_total": int(self.scaler.skipped_steps().item()), **listed, **meta}
+        description = Meta(saved_by="ddp_amp", precision=self.precision.name, loss_scaling=self.scaler.is_enabled(),
+                           scaler_skipped_total=int(self.scaler.skipped_steps().item())).merged({**listed, **meta})
         if sharded:
             if background:
                 self._background.start_sharded(target, files, description, dcp_form(state, sharded), self.ctx.device,
                                                self.ctx.world_size, keep_last, self._save_group())
                 return None
-            result = checkpoint.save_sharded(target, files, description, dcp_form(state, sharded), self.ctx.device,
+            result = save_sharded(target, files, description, dcp_form(state, sharded), self.ctx.device,
                                              self.ctx.world_size, keep_last)
             if result.error is not None:
                 raise mark_agreed(result.error, 0)
@@ -99,8 +111,7 @@ class SessionCheckpoints:
         if background:
             self._background.start(target, files, description, self.ctx.device, self.ctx.world_size, keep_last)
             return None
-        result = checkpoint.save_directory(target, files, description, self.ctx.device, self.ctx.world_size,
-                                           keep_last)
+        result = save_directory(target, files, description, self.ctx.device, self.ctx.world_size, keep_last)
         if result.error is not None:
             raise mark_agreed(result.error, 0)  # the same outcome on every rank
         return Saved(target, time.perf_counter() - started)
@@ -123,17 +134,17 @@ class SessionCheckpoints:
              what: str = "checkpoint") -> tuple[SavedState, T | None]:
         """Every rank reads checkpoint `path` and runs `check` on it (collective); any rank's
         refusal is raised on every rank before anything is applied."""
-        def checked(loaded: checkpoint.LoadedCheckpoint) -> tuple[SavedState, T | None]:
+        def checked(loaded: LoadedCheckpoint) -> tuple[SavedState, T | None]:
             saved = saved_state(loaded)
             return saved, (check(saved) if check is not None else None)
 
         target = on_rank_zero(lambda: self._find(path))  # one rank hashes the files
-        _, result = checkpoint.read_agreed(target, None, checked, what=what)
+        _, result = read_agreed(target, None, checked, what=what)
         return result
 
     def _find(self, path: Path) -> Path:
         """`path`, or the complete copy a crash during a re-save left beside it; else UsageError."""
-        found = checkpoint.complete_copy(path, self.warn)
+        found = complete_copy(path, self.warn)
         if found is not None:
             return found
         if path.exists():
@@ -145,7 +156,13 @@ class SessionCheckpoints:
     def latest(self, root: Path) -> Path | None:
         """The newest complete `step-N` checkpoint under `root`, or None (collective: rank 0
         verifies the manifests, every rank gets the answer)."""
-        return on_rank_zero(lambda: checkpoint.newest_complete(root, self.warn))
+        return on_rank_zero(lambda: newest_complete(root, self.warn))
+
+    def choose(self, choice: str, root: Path, warn: Callable[[str], None] | None = None) -> Path | None:
+        """`--resume auto|none|PATH` resolved against checkpoint folder `root`: a complete
+        checkpoint, or None to start fresh (collective: rank 0 verifies, every rank learns it;
+        each one skipped is told to `warn`, the session's log by default)."""
+        return choose_checkpoint(choice, root, warn or self.warn)
 
     def restore(self, saved: SavedState, state: Mapping[str, Any], restore_rng: bool,
                 notice: Callable[[str], None]) -> dict[str, Any]:
@@ -154,7 +171,7 @@ class SessionCheckpoints:
         this rank its RNG streams back; return the plain values and this rank's per-rank ones."""
         rank, from_dcp = self.ctx.rank, [key for key in state if key in saved.sharded]
         if from_dcp:  # resharded onto this world, into sharded objects or not
-            put_back(state, checkpoint.load_sharded(saved.path, dcp_form(state, from_dcp)))
+            put_back(state, load_sharded(saved.path, dcp_form(state, from_dcp)))
         live_sharded = set(sharded_keys(state))
         for key, obj in state.items():
             if key in from_dcp:
@@ -164,10 +181,10 @@ class SessionCheckpoints:
                 restore_full(state, key, value)
             else:
                 load_into(obj, value)
-        checkpoint.restore_scaler(self.scaler, saved.values.get(SCALER_KEY) or {}, saved.scaler_skipped_total,
-                                  self.precision.name, str(saved.meta.get("precision")), notice)
+        restore_scaler(self.scaler, saved.values.get(SCALER_KEY) or {}, saved.scaler_skipped_total,
+                       self.precision.name, str(saved.meta.precision), notice)
         if restore_rng and rank < len(saved.rng):
-            checkpoint.restore_rng(saved.rng[rank], self.ctx.device)
+            restore_rng_states(saved.rng[rank], self.ctx.device)
         values = {key: value for key, value in saved.values.items() if key != SCALER_KEY}
         if saved.world_size == self.ctx.world_size:
             values.update({key: ranks[rank] for key, ranks in saved.per_rank.items()})
@@ -185,3 +202,40 @@ class SessionCheckpoints:
                     raise UsageError("checkpoint key", key, f"a per-rank entry saved by {self.ctx.world_size} rank(s)",
                                      f"it was saved by {len(saved.per_rank[key])}; resume with that many ranks")
         return check
+
+    def keep_best(self, root: Path, record: BestRecord) -> None:
+        """Point `root`'s best.json at `record`'s checkpoint, which retention then keeps
+        (collective: rank 0 writes, every rank learns the outcome)."""
+        on_rank_zero(lambda: write_best(root, record))
+
+    # -- on the calling rank alone: the layout on disk, for decisions before a run starts ---
+
+    @staticmethod
+    def root_of(run_dir: Path) -> Path:
+        """Where a run directory keeps its `step-N` checkpoints."""
+        return checkpoint_root(run_dir)
+
+    @staticmethod
+    def step_path(root: Path, step: int) -> Path:
+        """The directory of the checkpoint at `step` under `root`."""
+        return root / step_dir_name(step)
+
+    @staticmethod
+    def steps(root: Path) -> list[tuple[int, Path]]:
+        """(step, path) of every `step-N` directory under `root`, oldest first, unverified."""
+        return list_step_dirs(root)
+
+    @staticmethod
+    def resolve(choice: str, root: Path, warn: Callable[[str], None]) -> Path | None:
+        """`--resume auto|none|PATH` as a verified checkpoint directory, or None (this rank only)."""
+        return resolve_resume(choice, root, warn)
+
+    @staticmethod
+    def read_meta(path: Path) -> Meta:
+        """Checkpoint `path`'s meta.json, without reading any tensor."""
+        return read_meta(path)
+
+    @staticmethod
+    def best(root: Path) -> BestRecord | None:
+        """The best checkpoint `root`'s best.json records, if any."""
+        return read_best(root)
