@@ -21,7 +21,7 @@ from ddp_amp.checkpoint.options import CheckpointOptions
 from ddp_amp.data.options import DataOptions
 from ddp_amp.distributed.options import DistOptions
 from ddp_amp.errors import UsageError
-from ddp_amp.guards.options import GuardOptions
+from ddp_amp.guards.options import GuardOptions, WatchOptions
 from ddp_amp.metrics.options import LogOptions
 from ddp_amp.option_values import (
     FIELD_NAMES,
@@ -128,8 +128,34 @@ class TrainConfig(ParallelOptions, GuardOptions, CheckpointOptions, LogOptions, 
 
     Options written as text (signals, step windows, metric goals, name lists) may be given
     as that text or as their value; they hold their value once built (`option_values`).
-    Each component takes its own part with `<Component>Options.of(config)`.
+    Each component takes its own part with `<Component>Options.of(config)`; the methods
+    below hand the Trainer those parts, so it need not import the layers that own them.
     """
+
+    def precision_options(self) -> PrecisionOptions:
+        return PrecisionOptions.of(self)
+
+    def dist_options(self) -> DistOptions:
+        return DistOptions.of(self)
+
+    def parallel_options(self) -> ParallelOptions:
+        return ParallelOptions.of(self)
+
+    def data_options(self) -> DataOptions:
+        return DataOptions.of(self)
+
+    def checkpoint_options(self) -> CheckpointOptions:
+        return CheckpointOptions.of(self)
+
+    def guard_options(self) -> GuardOptions:
+        return GuardOptions.of(self)
+
+    def log_options(self) -> LogOptions:
+        return LogOptions.of(self)
+
+    def watch_options(self) -> WatchOptions:
+        """The watchdogs' settings: the loss-scale rules, and the cadences they run on."""
+        return WatchOptions(self.loss_scale(), self.check_sync_every, self.log_every)
 
     def check(self) -> None:
         """Each component's own checks, then those that concern the run as a whole."""

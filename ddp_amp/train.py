@@ -53,14 +53,13 @@ def train(config: TrainConfig, session: Session) -> dict[str, Any]:
     when this function returns, before the session leaves the process group (docs/facts.md:
     a gloo group torn down under a live DDP reducer can abort the process).
     """
-    ctx = session.ctx
     # A task that fails to build on some ranks only fails on every rank, with its message.
-    task = on_every_rank(lambda: prepare_task(config, ctx))  # before anything is written
-    run_dir = run_directory(config, ctx)
-    explicit = plan_resume(config, run_dir) if config.resume not in ("auto", "none") else None
-    lock = lock_run_directory(run_dir, ctx)  # a second job on this directory stops here
+    task = on_every_rank(lambda: prepare_task(config, session))  # before anything is written
+    run_dir = run_directory(config, session)
+    explicit = plan_resume(config, run_dir, session) if config.resume not in ("auto", "none") else None
+    lock = lock_run_directory(run_dir, session)  # a second job on this directory stops here
     try:
-        plan = explicit or plan_resume(config, run_dir)
+        plan = explicit or plan_resume(config, run_dir, session)
         return _train_in(run_dir, plan, config, session, task)
     finally:
         lock.release()

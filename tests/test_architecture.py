@@ -7,6 +7,7 @@ purpose (on a copy), and look for import cycles between any two modules.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -43,15 +44,27 @@ def test_an_upward_import_breaks_the_contract(tmp_path: Path) -> None:
     assert "ddp_amp.amp.scaler -> ddp_amp.trainer" in result.stdout
 
 
-def test_a_trainer_import_of_the_checkpoint_package_breaks_its_contract(tmp_path: Path) -> None:
+def test_a_trainer_import_past_the_session_breaks_its_contract(tmp_path: Path) -> None:
     shutil.copytree(REPO_ROOT / "ddp_amp", tmp_path / "ddp_amp", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     best = tmp_path / "ddp_amp" / "trainer" / "best.py"
     best.write_text(best.read_text() + "\nfrom ddp_amp.checkpoint import read_best  # past the session, on purpose\n")
+    loop = tmp_path / "ddp_amp" / "trainer" / "loop.py"
+    loop.write_text(loop.read_text() + "\nfrom ddp_amp.distributed import all_reduce_  # past the session, on purpose\n")
     result = _lint(tmp_path)
     assert result.returncode != 0
-    assert "the Trainer reaches checkpoints only through its Session BROKEN" in result.stdout, result.stdout[-3000:]
+    assert "the Trainer reaches the layers below the session only through it BROKEN" in result.stdout, \
+        result.stdout[-3000:]
     assert "ddp_amp.trainer.best -> ddp_amp.checkpoint" in result.stdout
+    assert "ddp_amp.trainer.loop -> ddp_amp.distributed" in result.stdout
+
+
+def test_the_trainer_names_no_package_below_the_session() -> None:
+    """Read as text, so that an import only type checkers see counts too."""
+    below = re.compile(r"^\s*(from|import) ddp_amp\.(amp|distributed|checkpoint|parallel|env)\b", re.MULTILINE)
+    found = [f"{path.name}: {match.group(0).strip()}" for path in sorted((REPO_ROOT / "ddp_amp" / "trainer").glob("*.py"))
+             for match in below.finditer(path.read_text())]
+    assert found == []
 
 
 def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:

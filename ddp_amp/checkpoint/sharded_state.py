@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ddp_amp.amp import unwrap_model
+from ddp_amp.distributed import is_sharded
 from ddp_amp.errors import UsageError
 from ddp_amp.checkpoint.layout import keeping_kernels
 
@@ -42,11 +42,6 @@ def _params(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.Tensor]:
     return [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
 
 
-def _is_sharded(model: nn.Module) -> bool:
-    """Whether `model` (or a module inside it) was sharded with fully_shard."""
-    return any(isinstance(module, FSDPModule) for module in model.modules())
-
-
 def owner(optimizers: Sequence[torch.optim.Optimizer], state: Mapping[str, Any]) -> nn.Module | None:
     """The user's module among `state`'s models whose parameters these optimizers step."""
     wanted = {id(p) for p in _params(optimizers)}
@@ -61,7 +56,7 @@ def sharded_keys(state: Mapping[str, Any]) -> list[str]:
     keys = []
     for key, value in state.items():
         optimizers = _optimizers(value)
-        if isinstance(value, nn.Module) and _is_sharded(unwrap_model(value)):
+        if isinstance(value, nn.Module) and is_sharded(unwrap_model(value)):
             keys.append(key)
         elif optimizers and any(isinstance(p, DTensor) for p in _params(optimizers)):
             keys.append(key)

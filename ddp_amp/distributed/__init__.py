@@ -4,7 +4,8 @@
 - `device`: this rank's device and moving batches onto it;
 - `collectives`: all-reduce and object collectives, and the agreement primitives
   `on_rank_zero` (rank 0 does it, every rank learns the outcome) and `on_every_rank`;
-- `local_shard`: this rank's part of a tensor that may be sharded (a DTensor);
+- `local_shard`: this rank's part of a tensor that may be sharded (a DTensor), and whether a
+  model was sharded;
 - `failure`: an error on one rank ends every rank within seconds, printed once;
 - `liveness`: heartbeats in the store: which peers are alive and making progress;
 - `launcher`: whether this worker's launcher (its parent, the store it hosts) is still there;
@@ -21,14 +22,12 @@ from ddp_amp.distributed.failure import announce_failure, publish_failure, publi
 from ddp_amp.distributed.group import (BackendChoice, DistContext, distributed, init_distributed,
                                 resolve_backend, shutdown_distributed)
 from ddp_amp.distributed.liveness import Progress
-from ddp_amp.distributed.local_shard import local_numel_bytes, local_part
+from ddp_amp.distributed.local_shard import is_sharded, local_numel_bytes, local_part
 from ddp_amp.distributed.watch import PeerWatch
 
 __all__ = [
-    "BackendChoice", "DeviceChoice", "DistContext", "PeerWatch", "Progress", "local_numel_bytes", "local_part",
-    "agreed_origin",
-    "all_gather_objects", "all_reduce_", "announce_failure", "publish_failure", "published_failure",
-    "broadcast_object", "distributed", "has_peers",
-    "init_distributed", "mark_agreed", "on_every_rank", "on_rank_zero",
-    "resolve_backend", "resolve_device", "shutdown_distributed", "to_device",
+    "BackendChoice", "DeviceChoice", "DistContext", "PeerWatch", "Progress", "agreed_origin", "all_gather_objects",
+    "all_reduce_", "announce_failure", "broadcast_object", "distributed", "has_peers", "init_distributed",
+    "is_sharded", "local_numel_bytes", "local_part", "mark_agreed", "on_every_rank", "on_rank_zero",
+    "publish_failure", "published_failure", "resolve_backend", "resolve_device", "shutdown_distributed", "to_device",
 ]

@@ -1,8 +1,10 @@
-"""This rank's part of a tensor that may be sharded over the ranks (a DTensor).
+"""This rank's part of a tensor that may be sharded over the ranks (a DTensor), and whether a
+model was sharded.
 
 Code that reads parameters or gradients on one rank (the finite and forensics guards, the
-memory benchmark) reads the local shard of a sharded one and all of a plain one; the
-check sits here, below whatever sharded them, so such code needs no knowledge of sharding.
+memory benchmark, checkpoints) reads the local shard of a sharded one and all of a plain
+one; the checks sit here, below whatever sharded them, so such code needs no knowledge of
+how it was sharded.
 """
 
 from __future__ import annotations
@@ -11,7 +13,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `model` (or a module inside it) was sharded with fully_shard."""
+    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:

@@ -20,11 +20,11 @@ from ddp_amp.guards.loss_scale import LossScaleGuard, check_loss_finite
 from ddp_amp.guards.preemption import (EXIT_PREEMPTED, EarlySignals, PreemptionWatch, exit_code_for,
                                        requeue_slurm_job, stop_for_preemption, worker_ignores)
 from ddp_amp.guards.rank_sync import check_rank_sync, fingerprint
-from ddp_amp.guards.watch import RunWatch, WatchOptions
+from ddp_amp.guards.options import WatchOptions
+from ddp_amp.guards.watch import RunWatch
 
 __all__ = [
-    "EXIT_PREEMPTED", "EarlySignals", "FiniteStateGuard", "LossScaleGuard", "OverflowProbe", "PreemptionWatch", "RunWatch",
-    "WatchOptions",
-    "check_loss_finite", "check_rank_sync", "describe", "exit_code_for", "fingerprint",
+    "EXIT_PREEMPTED", "EarlySignals", "FiniteStateGuard", "LossScaleGuard", "OverflowProbe", "PreemptionWatch",
+    "RunWatch", "WatchOptions", "check_loss_finite", "check_rank_sync", "describe", "exit_code_for", "fingerprint",
     "requeue_slurm_job", "stop_for_preemption", "worker_ignores",
 ]

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ddp_amp.amp.lossscale import LossScaleOptions
 from ddp_amp.errors import UsageError
 from ddp_amp.option_values import INT_LIMIT, SIGNALS, TEN_YEARS_S, ComponentOptions, check_fields, option, signals_text
 
@@ -41,3 +42,12 @@ class GuardOptions(ComponentOptions):
         if both:
             raise UsageError("--stop-signal", signals_text(self.stop_signal), "signals not also in --preempt-signal",
                              f"{', '.join(both)} cannot mean both requeue and stop; drop it from one")
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    """What the watchdogs need from the run's configuration."""
+
+    loss_scale: LossScaleOptions = field(default_factory=LossScaleOptions)
+    check_sync_every: int = 0  # steps between rank-consistency checks; 0 = only after a resume
+    log_every: int = 20  # the logging cadence, which bounds how rarely a GPU reads the counters

@@ -21,30 +21,21 @@ step's loss on the device until a checkpoint looks at them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ddp_amp.amp import AgreedGradScaler, LossScaleOptions, Precision
+from ddp_amp.amp import AgreedGradScaler, Precision
 from ddp_amp.errors import TrainingHalted
 from ddp_amp.guards.finite import FiniteStateGuard
 from ddp_amp.guards.forensics import ARMED_FOR, OverflowProbe, describe
+from ddp_amp.guards.options import WatchOptions
 from ddp_amp.guards.loss_scale import LossScaleGuard, check_loss_finite
 from ddp_amp.guards.rank_sync import check_rank_sync
 from ddp_amp.metrics import RunLog
 
 REPORT_AT_LEAST_EVERY = 1000  # steps between overflow reports while overflows continue
-
-
-@dataclass(frozen=True)
-class WatchOptions:
-    """What the watchdogs need from the run's configuration."""
-
-    loss_scale: LossScaleOptions = field(default_factory=LossScaleOptions)
-    check_sync_every: int = 0  # steps between rank-consistency checks; 0 = only after a resume
-    log_every: int = 20  # the logging cadence, which bounds how rarely a GPU reads the counters
 
 
 class RunWatch:

@@ -12,13 +12,13 @@ Imports `amp`, `distributed` and `errors` from ddp_amp; the session builds on it
 """
 
 from ddp_amp.parallel.ddp import CommHook, comm_hook, release_ddp, wrap_ddp
-from ddp_amp.parallel.fsdp import (Units, default_units, describe_units, fused_kernel_takes, is_sharded, shard_model,
+from ddp_amp.parallel.fsdp import (Units, default_units, describe_units, fused_kernel_takes, shard_model,
                                    shard_units)
 from ddp_amp.parallel.parallelize import Parallelized, parallelize
 from ddp_amp.parallel.plan import ParallelPlan, ShardOptions
 
 __all__ = [
     "CommHook", "ParallelPlan", "Parallelized", "ShardOptions", "Units", "comm_hook", "default_units",
-    "describe_units", "fused_kernel_takes", "is_sharded", "parallelize", "release_ddp", "shard_model", "shard_units",
+    "describe_units", "fused_kernel_takes", "parallelize", "release_ddp", "shard_model", "shard_units",
     "wrap_ddp",
 ]

@@ -20,18 +20,13 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ddp_amp.errors import UsageError
 
 # What a task may name its units by: module classes, or a function of the model.
 Units = tuple[type[nn.Module], ...] | Callable[[nn.Module], Iterable[nn.Module]] | None
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether `model` (or a module inside it) was sharded with fully_shard."""
-    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:

@@ -4,14 +4,21 @@
   the AMP step, the failure watch, teardown);
 - `models`: wrapping and unwrapping the user's models.
 
-Checkpoints are the session's `Checkpointer` (`ddp_amp.checkpoint`); its types are
-re-exported here for a loop that saves and reads them.
+- `saving`: its checkpoint methods, the session's `Checkpointer`'s (`ddp_amp.checkpoint`).
+
+A loop over the session (the Trainer's, or a user's) reaches the layers below only through
+it: the types its answers come in (the scaler, the autocast wrapper, the launch context,
+checkpoint records) are re-exported here.
 
 Imports every layer below it; the Trainer builds on it.
 """
 
+from ddp_amp.amp import AgreedGradScaler, AutocastModule
 from ddp_amp.checkpoint import BestRecord, Checkpointer, Meta, Saved, SavedState
+from ddp_amp.distributed import DistContext
+from ddp_amp.env import DistEnv
 from ddp_amp.parallel import ShardOptions
 from ddp_amp.session.core import Session
 
-__all__ = ["BestRecord", "Checkpointer", "Meta", "Saved", "SavedState", "Session", "ShardOptions"]
+__all__ = ["AgreedGradScaler", "AutocastModule", "BestRecord", "Checkpointer", "DistContext", "DistEnv", "Meta",
+           "Saved", "SavedState", "Session", "ShardOptions"]

@@ -35,20 +35,22 @@ from torch import nn
 from ddp_amp.amp import (AgreedGradScaler, AutocastModule, LossScaleOptions, Precision, StepResult, amp_step,
                          resolve_precision, scaled_backward, unwrap_model)
 from ddp_amp.distributed import (BackendChoice, DeviceChoice, DistContext, PeerWatch, agreed_origin, all_gather_objects,
-                                 announce_failure, init_distributed, shutdown_distributed, to_device)
+                                 all_reduce_, announce_failure, init_distributed, on_rank_zero,
+                                 shutdown_distributed, to_device)
 from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import check_rank_sync
 from ddp_amp.metrics.trackers import Trackers, start_trackers_on_rank_zero
-from ddp_amp.checkpoint import Checkpointer, Saved, SavedState
+from ddp_amp.checkpoint import Checkpointer
 from ddp_amp.parallel import ShardOptions, Units, fused_kernel_takes
 from ddp_amp.session.models import SessionModels
+from ddp_amp.session.saving import SessionSaving
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Session:
+class Session(SessionSaving):
     """Launch environment, process group, precision and loss scaler for one process."""
 
     def __init__(self, precision: str = "auto", device: DeviceChoice = "auto",
@@ -314,6 +316,16 @@ class Session:
         """Move tensors (also inside lists, tuples and dicts) to this rank's device."""
         return to_device(batch, self.device)
 
+    def on_rank_zero(self, work: Callable[[], T]) -> T:
+        """Rank 0 runs `work`; every rank returns its result or raises its error (collective)."""
+        self.ctx  # noqa: B018 - raises when not started
+        return on_rank_zero(work)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the ranks, in place, and returned (collective)."""
+        self.ctx  # noqa: B018 - raises when not started
+        return all_reduce_(tensor)
+
     def all_gather_objects(self, obj: object) -> list[object]:
         """Every rank's picklable object, in rank order (collective)."""
         self.ctx  # noqa: B018 - raises when not started
@@ -326,70 +338,6 @@ class Session:
         Collective: one that fails to start raises on every rank. Call `finish()` at the end."""
         self.ctx  # noqa: B018 - raises when not started
         return start_trackers_on_rank_zero(list(specs), Path(run_dir), dict(config or {}), start_step, log.warning)
-
-    # -- checkpoints: the Checkpointer's, in one layout and commit protocol ------------------
-
-    def save(self, path: str | os.PathLike[str], state: Mapping[str, Any], *,
-             per_rank: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
-             keep_last: int = 0, background: bool = False) -> Path | None:
-        """Save a checkpoint directory at `path`; rank 0 commits it atomically (collective).
-
-        `state` maps names to models (each saved unwrapped, in a file of its own: `model.pt`
-        for "model"), optimizers, anything with `state_dict`, and plain values (numbers,
-        strings, paths, numpy values, containers of them). `per_rank` maps names to values
-        that differ per rank (a data loader's position): every rank's is kept, and each rank
-        gets its own back. The loss scaler and every rank's RNG state are saved too; `meta`
-        goes into meta.json. A directory already at `path` is replaced only if it is a
-        checkpoint, and only once the new one is complete. Where `path` is a `step-N`
-        directory (`ddp_amp.checkpoint.step_dir_name(step)`), `keep_last` > 0 then keeps only
-        the newest that many beside it.
-
-        Returns the path on every rank. With `background`, returns None as soon as the state
-        is copied to host memory: rank 0 writes it while training goes on, and the next save
-        or `wait_for_save()` learns the outcome. A failed write raises `CheckpointError` on
-        every rank (older checkpoints are untouched).
-        """
-        saved = self.checkpointer.save(Path(path), state, per_rank or {}, meta or {}, keep_last, background)
-        return saved.path if saved is not None else None
-
-    def wait_for_save(self) -> Saved | None:
-        """Wait for the background save in flight, if any (collective): where it was saved
-        and how long rank 0 took, or its `CheckpointError` raised on every rank."""
-        return self.checkpointer.wait()
-
-    def read(self, path: str | os.PathLike[str], check: Callable[[SavedState], T] | None = None
-             ) -> tuple[SavedState, T | None]:
-        """Read a `save` checkpoint on every rank, unapplied, and run `check` on it (collective).
-
-        Every rank reads the directory (it must be on a filesystem every rank sees); any
-        rank's refusal, a failed read or `check`'s UsageError, is raised on every rank.
-        """
-        return self.checkpointer.read(Path(path), check)
-
-    def restore(self, saved: SavedState, state: Mapping[str, Any], *, restore_rng: bool = True,
-                notice: Callable[[str], None] = log.info) -> dict[str, Any]:
-        """Load a `read` checkpoint into the objects of `state` and the scaler (collective):
-        see `load`. Returns the saved plain values, with this rank's per-rank ones."""
-        return self.checkpointer.restore(saved, state, restore_rng, notice)
-
-    def load(self, path: str | os.PathLike[str], state: Mapping[str, Any], *,
-             restore_rng: bool = True) -> dict[str, Any]:
-        """Load a `save` checkpoint into the given objects and the scaler; return its values.
-
-        Collective. Every rank reads the directory and checks it holds every key asked for;
-        any rank's refusal is raised on every rank before anything is loaded. Rank 0's
-        scaler state is authoritative and every rank verifies it agrees. With `restore_rng`
-        each rank gets back the RNG streams it saved, so a resumed loop draws what an
-        uninterrupted one would. Returns the plain values saved (a step count, say) and this
-        rank's own per-rank values.
-        """
-        saved, _ = self.read(path, self.checkpointer.holds_keys(list(state)))
-        return self.restore(saved, state, restore_rng=restore_rng)
-
-    def latest(self, root: str | os.PathLike[str]) -> Path | None:
-        """The newest complete `step-N` checkpoint under `root`, or None (collective: rank 0
-        verifies the manifests, every rank gets the answer)."""
-        return self.checkpointer.latest(Path(root))
 
     @property
     def checkpointer(self) -> Checkpointer:

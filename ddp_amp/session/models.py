@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_amp.amp import AutocastModule, Precision, unwrap_model
 from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
-from ddp_amp.parallel import ParallelPlan, ShardOptions, Units, is_sharded, parallelize, release_ddp
+from ddp_amp.distributed import is_sharded
+from ddp_amp.parallel import ParallelPlan, ShardOptions, Units, parallelize, release_ddp
 
 # DDP's keywords that are fields of the plan; the rest pass through as `ddp_options`.
 _PLAN_DDP_FIELDS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")

@@ -8,10 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ddp_amp.checkpoint.options import CheckpointOptions
 from ddp_amp.config import TrainConfig
-from ddp_amp.data.options import DataOptions
-from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.metrics import QuietRunLog, RunLog
 from ddp_amp.option_values import METRIC_GOAL
@@ -28,23 +25,23 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def prepare_task(config: TrainConfig, ctx: DistContext) -> Task:
+def prepare_task(config: TrainConfig, session: Session) -> Task:
     """Check the batch geometry, build the task with the same model on every rank, check the
     options that name its metrics, then seed each rank's own streams (dropout, augmentation)
     with `seed + rank`."""
-    DataOptions.of(config).micro_batch_size(ctx.world_size)  # fail on a bad batch size before any work
+    config.data_options().micro_batch_size(session.world_size)  # fail on a bad batch size before any work
     seed_everything(config.seed)  # same model init on every rank
     task = load_task(config.task, config)
-    check_metric_options(config, task, ctx.device)
-    seed_everything(config.seed + ctx.rank)
+    check_metric_options(config, task, session)
+    seed_everything(config.seed + session.rank)
     return task
 
 
-def check_metric_options(config: TrainConfig, task: Task, device: torch.device) -> None:
+def check_metric_options(config: TrainConfig, task: Task, session: Session) -> None:
     """`--keep-best` and `Task.schedule_on="eval:METRIC"` name metrics the task's evaluation
     reports; a one-line UsageError where one does not (no collective)."""
     wanted: dict[str, tuple[str, str, str]] = {}
-    keep_best = CheckpointOptions.of(config).keep_best
+    keep_best = config.checkpoint_options().keep_best
     if keep_best is not None:
         if task.eval_data is None:
             raise UsageError("--keep-best", METRIC_GOAL.text(keep_best), "a task with eval_data",
@@ -54,7 +51,7 @@ def check_metric_options(config: TrainConfig, task: Task, device: torch.device) 
     if kind == "eval":
         wanted[metric] = ("Task.schedule_on", task.schedule_on, "schedule_on='eval:{name}'")
     if wanted:
-        check_metric_names(reported_metrics(task, device), wanted)
+        check_metric_names(reported_metrics(task, session), wanted)
 
 
 def build_trainer(session: Session, config: TrainConfig, run_log: RunLog | None = None, *,
@@ -65,5 +62,5 @@ def build_trainer(session: Session, config: TrainConfig, run_log: RunLog | None 
     it earlier (the CLI checks everything before it writes anything). `run_log` defaults to
     a quiet one; without `checkpoint_root` nothing is saved.
     """
-    task = task if task is not None else prepare_task(config, session.ctx)
+    task = task if task is not None else prepare_task(config, session)
     return Trainer(session, config, task, run_log or QuietRunLog(session.rank), checkpoint_root)

@@ -21,14 +21,14 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_amp.data import collate
-from ddp_amp.distributed import DistContext, all_reduce_, to_device
 from ddp_amp.errors import UsageError
+from ddp_amp.session import Session
 from ddp_amp.tasks import Task
 from ddp_amp.trainer.batch_loss import BatchLoss
 
 
 @torch.no_grad()
-def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: DistContext,
+def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, session: Session,
              micro_batch_size: int, data: Dataset | None = None, prefix: str = "eval_",
              collective_forward: bool = False) -> dict[str, float]:
     """`task.metric` (or `task.eval_fn`) over `data` (default `task.eval_data`), names prefixed
@@ -43,7 +43,7 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: Dist
     data = task.eval_data if data is None else data
     if data is None:
         return {}
-    score = _scorer(task)
+    score, ctx = _scorer(task), session.ctx
     # Strided over the data-parallel ranks: ranks that differ only in a model-parallel
     # dimension score the same items, and the all-reduced sums and counts scale alike.
     sampler = range(ctx.dp_rank, len(data), ctx.dp_size)  # type: ignore[arg-type]
@@ -55,7 +55,7 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: Dist
     sums: dict[str, torch.Tensor] = {}
 
     def add(batch: Any, batch_weight: float) -> None:
-        for name, (total, count) in score(forward, to_device(batch, ctx.device)).items():
+        for name, (total, count) in score(forward, session.to_device(batch)).items():
             pair = batch_weight * torch.stack([total.detach().double().to(ctx.device),
                                                torch.tensor(float(count), dtype=torch.float64, device=ctx.device)])
             sums[name] = sums[name] + pair if name in sums else pair
@@ -79,7 +79,7 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, ctx: Dist
         train_mode_of.train()
     means = {}
     for name in sorted(sums):  # same order on all ranks: the all-reduces pair up
-        total, count = all_reduce_(sums[name]).tolist()
+        total, count = session.all_reduce(sums[name]).tolist()
         means[name] = total / max(count, 1.0)
     if task.finalize_metrics is not None:
         means = task.finalize_metrics(means)
@@ -115,17 +115,18 @@ def _items(batch: Any) -> int:
 
 
 @torch.no_grad()
-def reported_metrics(task: Task, device: torch.device) -> list[str]:
+def reported_metrics(task: Task, session: Session) -> list[str]:
     """The names an evaluation of `task` reports (`eval_...`), found by scoring one held-out
     item on this process (no collective); the RNGs and the model's mode are left as they were."""
     if task.eval_data is None:
         return []
+    device = session.device
     model = task.model.to(device)
     was_training = model.training
     model.eval()
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            scored = _scorer(task)(model, to_device(collate([task.eval_data[0]]), device))
+            scored = _scorer(task)(model, session.to_device(collate([task.eval_data[0]])))
     finally:
         model.train(was_training)
     names = {name: 1.0 for name in scored}

@@ -23,17 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_amp.amp import AgreedGradScaler, AutocastModule
 from ddp_amp.config import TrainConfig
 from ddp_amp.data import make_stream
-from ddp_amp.data.options import DataOptions
-from ddp_amp.distributed import all_reduce_
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import PreemptionWatch, RunWatch, stop_for_preemption, worker_ignores
-from ddp_amp.guards.options import GuardOptions
 from ddp_amp.metrics import RunLog, counting_flops, peak_memory_mb, throughput_fields
-from ddp_amp.parallel.options import ParallelOptions
-from ddp_amp.session import Session
+from ddp_amp.session import AgreedGradScaler, AutocastModule, Session
 from ddp_amp.tasks import Task
 from ddp_amp.trainer.batch_loss import BatchLoss
 from ddp_amp.trainer.best import BestKeeper
@@ -41,7 +36,6 @@ from ddp_amp.trainer.cadences import Cadence, Checkpointing, Evaluation, Logging
 from ddp_amp.trainer.checkpoints import RunCheckpoints
 from ddp_amp.trainer.evaluation import evaluate
 from ddp_amp.trainer.optimizers import make_optimizers
-from ddp_amp.trainer.options import watch_options
 from ddp_amp.trainer.profiling import ProfileWindow
 from ddp_amp.trainer.resume import TrainingParts, scale_learning_rates
 from ddp_amp.trainer.schedules import SchedulerDriver
@@ -70,14 +64,14 @@ class Trainer:
                  checkpoint_root: Path | None = None) -> None:
         self.session, self.config, self.task, self.run_log = session, config, task, run_log
         ctx, self.device = session.ctx, session.device
-        parallel, guard, data = ParallelOptions.of(config), GuardOptions.of(config), DataOptions.of(config)
+        parallel, guard, data = config.parallel_options(), config.guard_options(), config.data_options()
         self.model = session.setup(task.model, compile_model=parallel.compile, grad_comm_dtype=parallel.grad_comm_dtype,
                                    units=task.shard_units, **({"static_graph": True} if parallel.static_graph else {}))
         self.layout = session.describe(self.model)  # what the start line says of the model
         # After setup: sharding replaces each parameter by its shard (a DTensor), which the
         # watchdogs must read.
         named = [(n, p) for n, p in session.unwrap(self.model).named_parameters() if p.requires_grad]
-        self.watch = RunWatch(watch_options(config), named, session.scaler, run_log, ctx.rank, session.precision,
+        self.watch = RunWatch(config.watch_options(), named, session.scaler, run_log, ctx.rank, session.precision,
                               distributed=ctx.has_group)
         self._precision = session.precision  # the step enters its autocast: read once here
         self._progress = session.ctx.progress
@@ -266,7 +260,7 @@ class Trainer:
 
     def _mean_across_ranks(self, value: torch.Tensor) -> float:
         """Average a scalar over ranks (collective; called on logging steps only)."""
-        total = all_reduce_(value.detach().clone().float())
+        total = self.session.all_reduce(value.detach().clone().float())
         return total.item() / self.session.world_size
 
     def log_record(self, loss: torch.Tensor, samples_per_s: float, step_time: float = 0.0) -> dict[str, Any]:
@@ -290,7 +284,7 @@ class Trainer:
 
     def evaluate(self, data: Any = None, prefix: str = "eval_") -> dict[str, float]:
         """The task's metric on its eval data (or `data`): under autocast, no scaler, all ranks (collective)."""
-        return evaluate(self.task, self.session.local_module(self.model), self.model, self.session.ctx,
+        return evaluate(self.task, self.session.local_module(self.model), self.model, self.session,
                         self.config.micro_batch_size(self.session.ctx.dp_size), data=data, prefix=prefix,
                         collective_forward=self.session.sharded)
 

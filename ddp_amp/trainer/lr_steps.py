@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ddp_amp.amp import AgreedGradScaler
+from ddp_amp.session import AgreedGradScaler
 
 
 PLAN_STEPS = 1024  # LRs planned ahead: at most one flag read per this many steps

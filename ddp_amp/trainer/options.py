@@ -1,33 +1,22 @@
 """From the run's options to each component's own: where `TrainConfig` is taken apart.
 
 `TrainConfig` (ddp_amp/config.py) is composed of the components' options; the layers below
-the Trainer never see it. Each gets its own, picked with `<Component>Options.of(config)`:
-the run core a `Session` built from the precision, process and parallelism options, the
-watchdogs `WatchOptions`. `check_options` checks what only a component can, so the CLI
+the Trainer never see it. Each gets its own part (`config.precision_options()`, ...): the
+run core a `Session` built from the precision, process and parallelism options, the
+watchdogs `config.watch_options()`. `check_options` checks what only a component can, so the CLI
 refuses it before anything starts.
 """
 
 from __future__ import annotations
 
-from ddp_amp.amp.options import PrecisionOptions
 from ddp_amp.config import TrainConfig
-from ddp_amp.distributed.options import DistOptions
-from ddp_amp.guards import WatchOptions
-from ddp_amp.guards.options import GuardOptions
-from ddp_amp.metrics.options import LogOptions
 from ddp_amp.metrics.trackers import check_tracker_spec
-from ddp_amp.parallel.options import ParallelOptions
 from ddp_amp.session import Session, ShardOptions
 
 
-def watch_options(config: TrainConfig) -> WatchOptions:
-    """The watchdogs' settings."""
-    return WatchOptions(PrecisionOptions.of(config).loss_scale(), GuardOptions.of(config).check_sync_every,
-                        LogOptions.of(config).log_every)
-
-
-def shard_options(parallel: ParallelOptions) -> ShardOptions | None:
+def shard_options(config: TrainConfig) -> ShardOptions | None:
     """FSDP2's settings where the run shards its model; None where DDP replicates it."""
+    parallel = config.parallel_options()
     if not parallel.shard:
         return None
     return ShardOptions(parallel.reshard_after_forward, parallel.activation_checkpointing)
@@ -35,14 +24,14 @@ def shard_options(parallel: ParallelOptions) -> ShardOptions | None:
 
 def session_for(config: TrainConfig) -> Session:
     """The run core as the options ask for it (enter it with `with`)."""
-    precision, dist = PrecisionOptions.of(config), DistOptions.of(config)
+    precision, dist = config.precision_options(), config.dist_options()
     return Session(precision.precision, dist.device, dist.backend, dist.dist_timeout,  # type: ignore[arg-type]
                    scaler_options=precision.loss_scale().scaler_kwargs(), fp8_emulate=precision.fp8_emulate,
-                   shard=shard_options(ParallelOptions.of(config)))
+                   shard=shard_options(config))
 
 
 def check_options(config: TrainConfig) -> None:
     """What the components check of `config` themselves (a tracker's name), now: a one-line
     UsageError before a process group or a file exists."""
-    for spec in LogOptions.of(config).tracker:
+    for spec in config.log_options().tracker:
         check_tracker_spec(spec)

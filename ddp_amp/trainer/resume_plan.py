@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from ddp_amp.config import TrainConfig, flag_of, same_setting
-from ddp_amp.distributed import on_rank_zero
 from ddp_amp.durable import fsync_dir
 from ddp_amp.errors import UsageError
-from ddp_amp.session import Checkpointer
+from ddp_amp.session import Checkpointer, Session
 
 
 class ConfigDrift(UsageError):
@@ -107,10 +106,10 @@ def _decide(config: TrainConfig, run_dir: Path) -> ResumePlan:
     return ResumePlan(path, meta.step or 0, tuple(noticed))
 
 
-def plan_resume(config: TrainConfig, run_dir: Path) -> ResumePlan:
+def plan_resume(config: TrainConfig, run_dir: Path, session: Session) -> ResumePlan:
     """Decide where this launch starts (collective: rank 0 decides, every rank learns it).
 
     Reads only, except `--archive-checkpoints`' rename; call it under the run's lock for
     `auto` and `none` (they look at the run directory), before the lock for a PATH.
     """
-    return on_rank_zero(lambda: _decide(config, run_dir))
+    return session.on_rank_zero(lambda: _decide(config, run_dir))

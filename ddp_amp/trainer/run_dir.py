@@ -26,9 +26,8 @@ from pathlib import Path
 import psutil
 
 from ddp_amp.config import TrainConfig
-from ddp_amp.distributed import DistContext, on_rank_zero
-from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
+from ddp_amp.session import DistEnv, Session
 from ddp_amp.tasks import task_label
 
 RUNS_ROOT = Path("runs")
@@ -42,13 +41,13 @@ def _new_name(env: DistEnv) -> str:
     return f"{started}-{owner.pid}"
 
 
-def run_directory(config: TrainConfig, ctx: DistContext) -> Path:
+def run_directory(config: TrainConfig, session: Session) -> Path:
     """This run's directory (collective: rank 0 names it, every rank gets the same path)."""
     if config.run_dir:
         return Path(config.run_dir)
     if config.run_name:
         return RUNS_ROOT / config.run_name
-    name = ctx.env.run_id or on_rank_zero(lambda: _new_name(ctx.env))
+    name = session.env.run_id or session.on_rank_zero(lambda: _new_name(session.env))
     return RUNS_ROOT / f"{task_label(config.task)}-{name}"
 
 
@@ -104,8 +103,8 @@ class RunLock:
             self._fd = None
 
 
-def lock_run_directory(run_dir: Path, ctx: DistContext) -> RunLock:
+def lock_run_directory(run_dir: Path, session: Session) -> RunLock:
     """Rank 0 takes the lock; every rank raises if it is held elsewhere (collective)."""
     lock = RunLock(run_dir)
-    on_rank_zero(lambda: lock.acquire(ctx.env))
+    session.on_rank_zero(lambda: lock.acquire(session.env))
     return lock

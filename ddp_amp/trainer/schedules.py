@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddp_amp.amp import AgreedGradScaler
+from ddp_amp.session import AgreedGradScaler
 from ddp_amp.data import Stream
 from ddp_amp.trainer.evaluation import metric_of
 from ddp_amp.trainer.lr_steps import TakenStepScheduler
