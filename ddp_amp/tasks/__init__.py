@@ -186,12 +186,14 @@ def _check_task(spec: str, task: object) -> Task:
                          "step_fn cannot give without changing the task's state")
     units = task.shard_units
     if units is not None and not callable(units) and not (
-            isinstance(units, tuple) and units and all(isinstance(c, type) and issubclass(c, nn.Module) for c in units)):
+            isinstance(units, tuple) and units
+            and all(isinstance(c, type) and issubclass(c, nn.Module) for c in units)):
         raise UsageError("--task", spec, f"Task.shard_units to be module classes (a tuple) or a function of the "
                          f"model, got {units!r}", "e.g. shard_units=(nn.TransformerEncoderLayer,)")
     if isinstance(task.tokens_per_sample, bool) or not isinstance(task.tokens_per_sample, int) \
             or task.tokens_per_sample < 0:
-        raise UsageError("--task", spec, f"Task.tokens_per_sample to be an integer >= 0, got {task.tokens_per_sample!r}",
+        raise UsageError("--task", spec,
+                         f"Task.tokens_per_sample to be an integer >= 0, got {task.tokens_per_sample!r}",
                          "e.g. tokens_per_sample=1024 for sequences of 1024 tokens; 0 for no tokens")
     for name in ("default_lr", "default_clip_grad_norm"):
         value = getattr(task, name)

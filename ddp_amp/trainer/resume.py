@@ -77,7 +77,8 @@ def scale_learning_rates(optimizer: torch.optim.Optimizer,
 
 def check_model_shapes(path: Path, model: nn.Module, saved: dict[str, tuple[int, ...]]) -> None:
     """Refuse a checkpoint of another model (`saved`: its tensors' shapes) before touching any parameter."""
-    live = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items() if isinstance(tensor, torch.Tensor)}
+    live = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()
+            if isinstance(tensor, torch.Tensor)}
     missing = sorted(set(live) - set(saved))
     extra = sorted(set(saved) - set(live))
     differ = [f"{name}: checkpoint {list(saved[name])} vs model {list(shape)}"
