@@ -276,6 +276,8 @@ class Session(SessionSaving):
         if not self.scaler.is_enabled():
             return tuple(grads)
         scale = self.scaler._get_scale_async()  # the device tensor: dividing by it reads nothing
+        if scale is None:  # scale() above made it
+            raise RuntimeError("the loss scaler has no scale after scaling the loss")
         return tuple(grad / scale for grad in grads)
 
     def step(self, *optimizers: torch.optim.Optimizer, clip_grad_norm: float | None = None,

@@ -130,7 +130,7 @@ class Trainer:
         self.step += 1
         self._progress.step = self.step  # for the heartbeat, which the failure watch's thread writes
         self.samples_seen += self.config.batch_size
-        return step_loss if step_loss.dtype == torch.float32 else step_loss.float()  # type: ignore[union-attr]
+        return step_loss if step_loss.dtype == torch.float32 else step_loss.float()
 
     def _micro_step(self, accum: int, first: bool = True) -> torch.Tensor:
         """Forward, loss and the scaled backward of one micro-batch; its detached loss."""
