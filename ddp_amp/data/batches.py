@@ -69,11 +69,11 @@ class BatchStream:
         # drop_last keeps every rank's shard the same length, so no rank waits on a
         # collective that another rank never reaches at the end of an epoch.
         self.sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                          shuffle=shuffle, seed=seed, drop_last=True)
+                                                                   shuffle=shuffle, seed=seed, drop_last=True)
         self.batches_per_epoch = len(self.sampler) // micro_batch_size
         if self.batches_per_epoch < 1:
             raise UsageError("--batch-size", micro_batch_size * world_size,
-                             f"at most the dataset size ({len(dataset)}) per world",  # type: ignore[arg-type]
+                             f"at most the dataset size ({len(dataset)}) per world",  # type: ignore[arg-type]  # torch's Dataset declares no __len__; a map-style one has it
                              "lower --batch-size or use a larger dataset")
         self.epoch = 0
         self.batch_in_epoch = 0
