@@ -21,24 +21,35 @@ _PUBLIC = {
     "AgreedGradScaler": "ddp_amp.amp", "AutocastModule": "ddp_amp.amp", "Precision": "ddp_amp.amp",
     "StepResult": "ddp_amp.amp", "resolve_precision": "ddp_amp.amp", "unwrap_model": "ddp_amp.amp",
     "TrainConfig": "ddp_amp.config",
-    "DistContext": "ddp_amp.distributed", "distributed": "ddp_amp.distributed", "init_distributed": "ddp_amp.distributed",
-    "shutdown_distributed": "ddp_amp.distributed", "ShardOptions": "ddp_amp.parallel",
+    "DistContext": "ddp_amp.distributed", "distributed": "ddp_amp.distributed",
+    "init_distributed": "ddp_amp.distributed", "shutdown_distributed": "ddp_amp.distributed",
+    "ShardOptions": "ddp_amp.parallel",
     "DistEnv": "ddp_amp.env", "detect_env": "ddp_amp.env",
     "UsageError": "ddp_amp.errors",
     "Session": "ddp_amp.session",
     "LoaderRequest": "ddp_amp.tasks", "Task": "ddp_amp.tasks", "load_task": "ddp_amp.tasks",
 }
 
-if TYPE_CHECKING:  # what type checkers and editors see: the same names, imported
-    from ddp_amp.amp import (AgreedGradScaler, AutocastModule, Precision, StepResult, resolve_precision,
-                             unwrap_model)
-    from ddp_amp.config import TrainConfig
-    from ddp_amp.distributed import DistContext, distributed, init_distributed, shutdown_distributed
-    from ddp_amp.parallel import ShardOptions
-    from ddp_amp.env import DistEnv, detect_env
-    from ddp_amp.errors import UsageError
-    from ddp_amp.session import Session
-    from ddp_amp.tasks import LoaderRequest, Task, load_task
+if TYPE_CHECKING:  # what type checkers and editors see: the same names, imported (`X as X`: a re-export)
+    from ddp_amp.amp import AgreedGradScaler as AgreedGradScaler
+    from ddp_amp.amp import AutocastModule as AutocastModule
+    from ddp_amp.amp import Precision as Precision
+    from ddp_amp.amp import StepResult as StepResult
+    from ddp_amp.amp import resolve_precision as resolve_precision
+    from ddp_amp.amp import unwrap_model as unwrap_model
+    from ddp_amp.config import TrainConfig as TrainConfig
+    from ddp_amp.distributed import DistContext as DistContext
+    from ddp_amp.distributed import distributed as distributed
+    from ddp_amp.distributed import init_distributed as init_distributed
+    from ddp_amp.distributed import shutdown_distributed as shutdown_distributed
+    from ddp_amp.parallel import ShardOptions as ShardOptions
+    from ddp_amp.env import DistEnv as DistEnv
+    from ddp_amp.env import detect_env as detect_env
+    from ddp_amp.errors import UsageError as UsageError
+    from ddp_amp.session import Session as Session
+    from ddp_amp.tasks import LoaderRequest as LoaderRequest
+    from ddp_amp.tasks import Task as Task
+    from ddp_amp.tasks import load_task as load_task
 
 
 def __getattr__(name: str) -> Any:

@@ -11,7 +11,7 @@ import dataclasses
 import difflib
 import re
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 from ddp_amp.config import TrainConfig, flag_of, text_of
 from ddp_amp.config_file import dumps, read_options
@@ -41,7 +41,7 @@ class _Parser(argparse.ArgumentParser):
             raise UsageError(flag, value, f"a value of type {kind}", "see --help")
         raise UsageError("arguments", " ".join(self.last_argv), "valid options", message)
 
-    last_argv: list[str] = []
+    last_argv: ClassVar[list[str]] = []  # the argv being parsed, set by parse_command_line
 
 
 CONFIG_FILE_HELP = ("Options can also come from a TOML file: --config PATH, whose keys are the "
@@ -86,9 +86,10 @@ def parse_command_line(argv: list[str]) -> CommandLine:
 
     The three layers are merged as values, a later layer replacing an option whole, and
     the result goes through TrainConfig's own checks, the one path a flag-only launch
-    uses, so a value is refused alike from a file or a flag. Merging values, rather than turning the file into flags before the command line's
-    or into parser defaults, is what keeps "flags override" true for `--task-opt`: its
-    append action would add the flags' items to the file's list instead of replacing it.
+    uses, so a value is refused alike from a file or a flag. Merging values, rather than
+    turning the file into flags before the command line's or into parser defaults, is
+    what keeps "flags override" true for `--task-opt`: its append action would add the
+    flags' items to the file's list instead of replacing it.
     A file value is type-checked by `read_options`; its TOML type stands in for argparse's
     conversion of a flag's text.
     """

@@ -22,7 +22,7 @@ import math
 import re
 import signal
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from ddp_amp.errors import UsageError
 
@@ -188,6 +188,10 @@ class ComponentOptions:
     typed and checked when it is built, and `of` picks them out of a run's configuration
     (which holds every component's fields), so a component never sees the whole of it."""
 
+    # What @dataclass gives each subclass; declared (never set) here, so that type checkers
+    # take a ComponentOptions for the dataclass it always is.
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
     def __post_init__(self) -> None:
         typed_fields(self)
         self.check()
@@ -200,5 +204,5 @@ class ComponentOptions:
     @classmethod
     def of(cls: type[_Options], options: Any) -> _Options:
         """This component's options, picked by name from `options` (a run's configuration)."""
-        values = {f.name: getattr(options, f.name) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        return cls(**values)  # type: ignore[call-arg]  # cls is a dataclass of these fields
+        values = {f.name: getattr(options, f.name) for f in dataclasses.fields(cls)}
+        return cls(**values)

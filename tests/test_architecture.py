@@ -50,7 +50,8 @@ def test_a_trainer_import_past_the_session_breaks_its_contract(tmp_path: Path) -
     best = tmp_path / "ddp_amp" / "trainer" / "best.py"
     best.write_text(best.read_text() + "\nfrom ddp_amp.checkpoint import read_best  # past the session, on purpose\n")
     loop = tmp_path / "ddp_amp" / "trainer" / "loop.py"
-    loop.write_text(loop.read_text() + "\nfrom ddp_amp.distributed import all_reduce_  # past the session, on purpose\n")
+    loop.write_text(loop.read_text()
+                    + "\nfrom ddp_amp.distributed import all_reduce_  # past the session, on purpose\n")
     result = _lint(tmp_path)
     assert result.returncode != 0
     assert "the Trainer reaches the layers below the session only through it BROKEN" in result.stdout, \
@@ -62,7 +63,8 @@ def test_a_trainer_import_past_the_session_breaks_its_contract(tmp_path: Path) -
 def test_the_trainer_names_no_package_below_the_session() -> None:
     """Read as text, so that an import only type checkers see counts too."""
     below = re.compile(r"^\s*(from|import) ddp_amp\.(amp|distributed|checkpoint|parallel|env)\b", re.MULTILINE)
-    found = [f"{path.name}: {match.group(0).strip()}" for path in sorted((REPO_ROOT / "ddp_amp" / "trainer").glob("*.py"))
+    found = [f"{path.name}: {match.group(0).strip()}"
+             for path in sorted((REPO_ROOT / "ddp_amp" / "trainer").glob("*.py"))
              for match in below.finditer(path.read_text())]
     assert found == []
 

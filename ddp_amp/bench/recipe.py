@@ -80,7 +80,8 @@ class HandLoop:
             model = convert_linears(model, emulate=precision.emulate_fp8)
         if compile_model:
             compiled = torch.compile(model)
-            assert isinstance(compiled, nn.Module)  # an OptimizedModule; the stubs say only "a callable"
+            if not isinstance(compiled, nn.Module):  # an OptimizedModule; the stubs say only "a callable"
+                raise TypeError(f"torch.compile of a module gave a {type(compiled).__name__}")
             model = compiled
         if distributed:
             device_ids = [device.index] if device.type == "cuda" else None

@@ -123,7 +123,7 @@ class Checkpointer:
         if finished is None:
             return None
         if finished.path is None:
-            raise mark_agreed(finished.error, 0)  # type: ignore[arg-type]
+            raise mark_agreed(finished.error, 0)  # type: ignore[arg-type]  # no path: it failed, error is set
         return Saved(finished.path, finished.write_s, background=True)
 
     def join_locally(self) -> None:

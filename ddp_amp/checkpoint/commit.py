@@ -66,7 +66,7 @@ def _write_file(path: Path, payload: Any) -> FileRecord:
             writer.write(payload)
         else:
             try:
-                torch.save(payload, writer)
+                torch.save(payload, writer)  # type: ignore[arg-type]  # torch.save uses only write() and flush()
             except RuntimeError:
                 if writer.error is not None:
                     raise writer.error from None

@@ -152,7 +152,8 @@ class SavedState:
             return self.modules[key]
         if key in self.values:
             return self.values[key]
-        raise UsageError("checkpoint key", key, f"one of {sorted(self.keys())}", "save it first, or leave it out of the load")
+        raise UsageError("checkpoint key", key, f"one of {sorted(self.keys())}",
+                         "save it first, or leave it out of the load")
 
     def keys(self) -> list[str]:
         return sorted({*self.modules, *self.values, *self.per_rank, *self.sharded} - {SCALER_KEY})

@@ -89,7 +89,7 @@ def restore_scaler(scaler: AgreedGradScaler, saved: dict[str, Any], skipped_tota
         notice(f"checkpoint has no loss-scaler state (saved under {saved_precision}); "
                f"{precision} starts with a fresh scaler")
         return
-    state, skipped = broadcast_object((dict(saved), int(skipped_total)))  # type: ignore[misc]
+    state, skipped = broadcast_object((dict(saved), int(skipped_total)))
     scaler.load_state_dict(state)
     scaler.restore_skipped_steps(skipped)
     mine = (scaler.state_dict(), int(scaler.skipped_steps().item()))

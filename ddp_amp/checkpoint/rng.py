@@ -20,7 +20,10 @@ def capture_rng(device: torch.device) -> dict[str, Any]:
     """This process's RNG states, as tensors, ints and tuples only (weights_only-safe)."""
     # numpy's legacy state is a tuple with an ndarray; as a tensor plus ints it loads as
     # plain data without any allow-listing.
-    _, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)
+    if not isinstance(legacy, tuple):  # a dict only for a bit generator other than MT19937
+        raise RuntimeError(f"numpy's global RNG is not MT19937: {legacy.get('bit_generator')}")
+    _, keys, pos, has_gauss, cached = legacy
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),

@@ -25,7 +25,7 @@ from ddp_amp.errors import UsageError
 try:  # numpy 2 moved its internals to numpy._core; numpy 1 has numpy.core
     from numpy._core import multiarray as _multiarray
 except ImportError:  # pragma: no cover - numpy 1.x
-    from numpy.core import multiarray as _multiarray  # type: ignore[no-redef]
+    from numpy.core import multiarray as _multiarray  # type: ignore[no-redef]  # the same module, numpy 1's path
 
 _NUMPY_DTYPES = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
                  np.uint64, np.float16, np.float32, np.float64)

@@ -62,7 +62,7 @@ def write_failure(target: Path, error: OSError) -> CheckpointError:
 
 def _entries(files: dict[str, Any]) -> list[tuple[str, Any]]:
     """(name, value) to check: each top-level entry of a dict file, so errors name the key."""
-    found = []
+    found: list[tuple[str, Any]] = []
     for name, payload in files.items():
         if isinstance(payload, dict):
             found.extend((f"{name}[{key!r}]", value) for key, value in payload.items())

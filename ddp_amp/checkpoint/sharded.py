@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from ddp_amp.checkpoint.commit import new_scratch
 from ddp_amp.checkpoint.manifest import FileRecord, record_of
@@ -93,7 +94,9 @@ def start_sharded_write(target: Path, sharded: dict[str, Any], group: Any, keep_
     commit (its outcome; None elsewhere)."""
     scratch = Path(on_rank_zero(lambda: str(new_scratch(target))))
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    future = dcp.async_save(sharded, checkpoint_id=str(scratch / SHARDED_DIR), process_group=group)
+    saving = dcp.async_save(sharded, checkpoint_id=str(scratch / SHARDED_DIR), process_group=group)
+    # A plain Future without an async stager (none is given); with one, the upload's own.
+    future = saving.upload_completion if isinstance(saving, AsyncSaveResponse) else saving
 
     def work(contents: dict[str, Any]) -> tuple[str | None, CheckpointError | None] | None:
         report = _write_own(scratch, rank, future.result)

@@ -64,7 +64,7 @@ class SafeShardReader(dcp.FileSystemReader):
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise UsageError("checkpoint file", str(path), "DCP's map of the shards",
                              f"it holds a {type(metadata).__name__}; the checkpoint is not one ddp_amp wrote")
-        if getattr(metadata, "storage_meta", None) is None:
+        if metadata.storage_meta is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

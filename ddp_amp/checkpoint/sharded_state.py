@@ -14,6 +14,7 @@ and optimizer here (`restore_full`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -56,9 +57,8 @@ def sharded_keys(state: Mapping[str, Any]) -> list[str]:
     keys = []
     for key, value in state.items():
         optimizers = _optimizers(value)
-        if isinstance(value, nn.Module) and is_sharded(unwrap_model(value)):
-            keys.append(key)
-        elif optimizers and any(isinstance(p, DTensor) for p in _params(optimizers)):
+        if ((isinstance(value, nn.Module) and is_sharded(unwrap_model(value)))
+                or (optimizers and any(isinstance(p, DTensor) for p in _params(optimizers)))):
             keys.append(key)
     return sorted(keys)
 
@@ -89,8 +89,11 @@ def put_back(state: Mapping[str, Any], form: Mapping[str, Any]) -> None:
         if optimizers is None:
             set_model_state_dict(unwrap_model(value), loaded)
         else:
-            keeping_kernels(optimizers, lambda: set_optimizer_state_dict(owner(optimizers, state),  # type: ignore[arg-type]
-                                                                         optimizers, loaded))  # noqa: B023
+            model = owner(optimizers, state)
+            if model is None:  # dcp_form, which made `form`, refuses this first
+                raise UsageError("state key", key, "an optimizer saved or loaded beside its model",
+                                 "put the model it steps into the same state, e.g. {'model': model, 'optimizer': opt}")
+            keeping_kernels(optimizers, partial(set_optimizer_state_dict, model, optimizers, loaded))
 
 
 def restore_full(state: Mapping[str, Any], key: str, saved: Any) -> None:
@@ -110,7 +113,7 @@ def restore_full(state: Mapping[str, Any], key: str, saved: Any) -> None:
         # Nothing per parameter to shard (SGD without momentum): torch's own load does it,
         # where the by-name load finds no tensor to learn the device from and refuses.
         for optimizer, state_dict in zip(optimizers, saved_list, strict=True):
-            keeping_kernels([optimizer], lambda: optimizer.load_state_dict(state_dict))  # noqa: B023 - run at once
+            keeping_kernels([optimizer], partial(optimizer.load_state_dict, state_dict))
         return
     keeping_kernels(optimizers, lambda: set_optimizer_state_dict(model, optimizers, _by_name(saved_list, optimizers,
                                                                                               model), options=_FULL))

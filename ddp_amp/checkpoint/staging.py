@@ -77,7 +77,7 @@ class _Copier:
         staged = copied if type(value) is dict else type(value)(copied)  # an OrderedDict stays one
         metadata = getattr(value, "_metadata", None)  # a state_dict's per-module versions
         if metadata is not None:
-            staged._metadata = self.copy(metadata, (*path, "_metadata"))  # type: ignore[attr-defined]
+            staged._metadata = self.copy(metadata, (*path, "_metadata"))  # type: ignore[attr-defined]  # state_dict's attribute, unknown to dict
         return staged
 
     def tensor(self, tensor: torch.Tensor, path: _Path) -> torch.Tensor:

@@ -41,5 +41,5 @@ def make_stream(train_data: Dataset | None, make_loader: LoaderFactory | None, s
     if isinstance(train_data, IterableDataset):
         return iterable_stream(train_data, micro_batch_size, ctx.dp_rank, ctx.dp_size, ctx.device, num_workers,
                                collate_fn=collate, worker_init_fn=worker_init_fn)
-    return BatchStream(train_data, micro_batch_size, ctx.dp_rank, ctx.dp_size, seed, ctx.device,  # type: ignore[arg-type]
+    return BatchStream(train_data, micro_batch_size, ctx.dp_rank, ctx.dp_size, seed, ctx.device,  # type: ignore[arg-type]  # set without make_loader
                        num_workers, worker_init_fn=worker_init_fn)

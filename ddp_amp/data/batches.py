@@ -42,7 +42,7 @@ def collate(items: list[Any]) -> Any:
     first = items[0]
     if not _holds_dataclass(first):
         return default_collate(items)
-    if dataclasses.is_dataclass(first):
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):  # an instance, as items are
         return dataclasses.replace(first, **{f.name: collate([getattr(item, f.name) for item in items])
                                               for f in dataclasses.fields(first) if f.init})
     if isinstance(first, tuple) and hasattr(first, "_fields"):
@@ -68,12 +68,12 @@ class BatchStream:
         self.num_workers = num_workers
         # drop_last keeps every rank's shard the same length, so no rank waits on a
         # collective that another rank never reaches at the end of an epoch.
-        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                          shuffle=shuffle, seed=seed, drop_last=True)
+        self.sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
+                                                                   shuffle=shuffle, seed=seed, drop_last=True)
         self.batches_per_epoch = len(self.sampler) // micro_batch_size
         if self.batches_per_epoch < 1:
             raise UsageError("--batch-size", micro_batch_size * world_size,
-                             f"at most the dataset size ({len(dataset)}) per world",  # type: ignore[arg-type]
+                             f"at most the dataset size ({len(dataset)}) per world",  # type: ignore[arg-type]  # torch's Dataset declares no __len__; a map-style one has it
                              "lower --batch-size or use a larger dataset")
         self.epoch = 0
         self.batch_in_epoch = 0

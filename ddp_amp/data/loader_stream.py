@@ -65,13 +65,13 @@ class LoaderStream:
     def state_dict(self) -> dict[str, Any]:
         """Where the next micro-batch comes from: the pass, and the loader's own state."""
         with torch.random.fork_rng(devices=[]):
-            loader_state = self.loader.state_dict()  # type: ignore[attr-defined]
+            loader_state = self.loader.state_dict()  # type: ignore[attr-defined]  # checked when built
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": loader_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
         with torch.random.fork_rng(devices=[]):
-            self.loader.load_state_dict(state["loader"])  # type: ignore[attr-defined]
+            self.loader.load_state_dict(state["loader"])  # type: ignore[attr-defined]  # checked when built
         self._iterator = None
 
     def __iter__(self) -> LoaderStream:

@@ -53,7 +53,8 @@ def task_loader_stream(make_loader: LoaderFactory, schedule_on: str, ctx: DistCo
     loader = make_loader(request)
     if not all(callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict", "__iter__")):
         raise UsageError("Task.make_loader", f"a {type(loader).__name__}",
-                         "an iterable loader with state_dict() and load_state_dict(), so a resume restores its position",
+                         "an iterable loader with state_dict() and load_state_dict(), "
+                         "so a resume restores its position",
                          "build torchdata.stateful_dataloader.StatefulDataLoader(...) where you built a DataLoader")
     lengths = all_gather_objects(loader_length(loader)) if ctx.world_size > 1 else [loader_length(loader)]
     same = lengths[0] if lengths[0] is not None and len(set(lengths)) == 1 else None

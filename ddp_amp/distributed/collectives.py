@@ -36,11 +36,11 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceO
     return tensor
 
 
-def broadcast_object(obj: object, src: int = 0) -> object:
-    """Send rank `src`'s picklable object to every rank (collective)."""
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """Send rank `src`'s picklable object to every rank (collective); of the type of `obj`."""
     if not has_peers():
         return obj
-    holder = [obj]
+    holder: list[Any] = [obj]
     dist.broadcast_object_list(holder, src=src)
     return holder[0]
 
@@ -100,7 +100,6 @@ def on_rank_zero(work: Callable[[], T]) -> T:
     received = broadcast_object(payload)
     if local_error is not None:
         raise mark_agreed(local_error, 0)
-    assert isinstance(received, bytes)  # rank 0's pickled outcome
     status, value = pickle.loads(received)
     if status == "error":
         raise mark_agreed(value, 0)

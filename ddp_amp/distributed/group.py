@@ -99,7 +99,7 @@ def _dp_size(mesh: DeviceMesh) -> int:
 def _dp_rank(mesh: DeviceMesh) -> int:
     rank = 0
     for name in _dp_dims(mesh):  # row-major over the data-parallel dimensions, outer first
-        rank = rank * mesh.size(mesh.mesh_dim_names.index(name)) + mesh.get_local_rank(name)  # type: ignore[union-attr]
+        rank = rank * mesh.size(mesh.mesh_dim_names.index(name)) + mesh.get_local_rank(name)  # type: ignore[union-attr]  # names exist
     return rank
 
 

@@ -34,7 +34,8 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     (a transformer's layers), else its direct children that hold parameters."""
     lists = [module for module in model.modules() if isinstance(module, nn.ModuleList) and len(module)]
     if lists:
-        return list(max(lists, key=lambda blocks: sum(p.numel() for p in blocks.parameters())))
+        largest = max(lists, key=lambda blocks: sum(p.numel() for p in blocks.parameters()))
+        return list(largest)
     return [child for child in model.children() if any(True for _ in child.parameters())]
 
 

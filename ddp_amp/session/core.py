@@ -190,13 +190,13 @@ class Session(SessionSaving):
     @property
     def precision(self) -> Precision:
         self.ctx  # noqa: B018 - raises when not started
-        return self._precision  # type: ignore[return-value]
+        return self._precision  # type: ignore[return-value]  # set while ctx is
 
     @property
     def scaler(self) -> AgreedGradScaler:
         """The one loss scaler of this process (disabled, a pass-through, unless fp16)."""
         self.ctx  # noqa: B018 - raises when not started
-        return self._scaler  # type: ignore[return-value]
+        return self._scaler  # type: ignore[return-value]  # set while ctx is
 
     # -- models ----------------------------------------------------------------------
 
@@ -261,7 +261,7 @@ class Session(SessionSaving):
             raise UsageError("retain_graph", True, "one backward per forward through a DDP model",
                              "DDP reduces the gradients of the first backward only; sum the losses and call "
                              "session.backward(loss0 + loss1) once: the gradients are the same")
-        scaled_backward(self._scaler, loss, **backward_options)  # type: ignore[arg-type]
+        scaled_backward(self.scaler, loss, **backward_options)
 
     def unscaled_grad(self, loss: torch.Tensor, inputs: Sequence[torch.Tensor],
                       create_graph: bool = True) -> tuple[torch.Tensor, ...]:
@@ -276,6 +276,8 @@ class Session(SessionSaving):
         if not self.scaler.is_enabled():
             return tuple(grads)
         scale = self.scaler._get_scale_async()  # the device tensor: dividing by it reads nothing
+        if scale is None:  # scale() above made it
+            raise RuntimeError("the loss scaler has no scale after scaling the loss")
         return tuple(grad / scale for grad in grads)
 
     def step(self, *optimizers: torch.optim.Optimizer, clip_grad_norm: float | None = None,
@@ -293,7 +295,7 @@ class Session(SessionSaving):
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise UsageError("clip_grad_norm", clip_grad_norm, "a number > 0 or None",
                              "None turns clipping off")
-        return amp_step(self._scaler, optimizers, clip_grad_norm=clip_grad_norm, update=update,  # type: ignore[arg-type]
+        return amp_step(self.scaler, optimizers, clip_grad_norm=clip_grad_norm, update=update,
                         skip_together=skip_together)
 
     def update(self) -> None:
@@ -343,8 +345,8 @@ class Session(SessionSaving):
     def checkpointer(self) -> Checkpointer:
         """The session's `Checkpointer` (its save, find, read and restore; collectives)."""
         self.ctx  # noqa: B018 - raises when not started
-        return self._checkpoints  # type: ignore[return-value]
+        return self._checkpoints  # type: ignore[return-value]  # set while ctx is
 
     def _made(self) -> SessionModels:
         self.ctx  # noqa: B018 - raises when not started
-        return self._models  # type: ignore[return-value]
+        return self._models  # type: ignore[return-value]  # set while ctx is

@@ -111,8 +111,8 @@ class SessionModels:
 def _sharded_no_sync(root: nn.Module) -> Iterator[None]:
     # FSDP2 keeps the unsharded gradients of the block's backwards and reduce-scatters them
     # in the first backward outside it: the same sum as DDP's no_sync.
-    root.set_requires_gradient_sync(False)  # type: ignore[operator]
+    root.set_requires_gradient_sync(False)  # type: ignore[operator]  # FSDPModule's, not nn.Module's
     try:
         yield
     finally:
-        root.set_requires_gradient_sync(True)  # type: ignore[operator]
+        root.set_requires_gradient_sync(True)  # type: ignore[operator]  # FSDPModule's, not nn.Module's

@@ -165,9 +165,9 @@ def _check_task(spec: str, task: object) -> Task:
         if getattr(task, name) is not None and not callable(getattr(task, name)):
             raise UsageError("--task", spec, f"Task.{name} to be callable, got {type(getattr(task, name)).__name__}",
                              "e.g. loss_fn=torch.nn.functional.cross_entropy, or step_fn=my_step")
-    if task.train_data is not None and not streamed and len(task.train_data) == 0:  # type: ignore[arg-type]
+    if task.train_data is not None and not streamed and len(task.train_data) == 0:  # type: ignore[arg-type]  # map-style: Dataset's stubs lack __len__
         raise UsageError("--task", spec, "a non-empty Task.train_data", "check the dataset's path and size")
-    if task.eval_data is not None and len(task.eval_data) == 0:  # type: ignore[arg-type]
+    if task.eval_data is not None and len(task.eval_data) == 0:  # type: ignore[arg-type]  # torch's Dataset declares no __len__; a map-style one has it
         raise UsageError("--task", spec, "a non-empty Task.eval_data, or None",
                          "give the held-out set items, or leave eval_data and metric out")
     for name in ("metric", "eval_fn", "make_optimizer", "make_scheduler", "finalize_metrics"):
@@ -186,12 +186,14 @@ def _check_task(spec: str, task: object) -> Task:
                          "step_fn cannot give without changing the task's state")
     units = task.shard_units
     if units is not None and not callable(units) and not (
-            isinstance(units, tuple) and units and all(isinstance(c, type) and issubclass(c, nn.Module) for c in units)):
+            isinstance(units, tuple) and units
+            and all(isinstance(c, type) and issubclass(c, nn.Module) for c in units)):
         raise UsageError("--task", spec, f"Task.shard_units to be module classes (a tuple) or a function of the "
                          f"model, got {units!r}", "e.g. shard_units=(nn.TransformerEncoderLayer,)")
     if isinstance(task.tokens_per_sample, bool) or not isinstance(task.tokens_per_sample, int) \
             or task.tokens_per_sample < 0:
-        raise UsageError("--task", spec, f"Task.tokens_per_sample to be an integer >= 0, got {task.tokens_per_sample!r}",
+        raise UsageError("--task", spec,
+                         f"Task.tokens_per_sample to be an integer >= 0, got {task.tokens_per_sample!r}",
                          "e.g. tokens_per_sample=1024 for sequences of 1024 tokens; 0 for no tokens")
     for name in ("default_lr", "default_clip_grad_norm"):
         value = getattr(task, name)

@@ -33,8 +33,10 @@ class BestKeeper:
         """Take the best so far from the run's pointer (after a resume); one for another
         metric or direction does not count."""
         saved = Checkpointer.best(self.root)
-        matches = saved is not None and (saved.metric, saved.mode) == self.goal
-        self.best = saved if matches and saved.directory(self.root).is_dir() else None
+        if saved is not None and (saved.metric, saved.mode) == self.goal and saved.directory(self.root).is_dir():
+            self.best = saved
+        else:
+            self.best = None
 
     def after_eval(self, record: dict[str, Any], save: Callable[[], Path | None]) -> None:
         """Collective (the save): keep this step's checkpoint if `record` beats the best."""

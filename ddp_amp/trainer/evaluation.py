@@ -46,7 +46,7 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, session: 
     score, ctx = _scorer(task), session.ctx
     # Strided over the data-parallel ranks: ranks that differ only in a model-parallel
     # dimension score the same items, and the all-reduced sums and counts scale alike.
-    sampler = range(ctx.dp_rank, len(data), ctx.dp_size)  # type: ignore[arg-type]
+    sampler = range(ctx.dp_rank, len(data), ctx.dp_size)  # type: ignore[arg-type]  # torch's Dataset declares no __len__; a map-style one has it
     # A held-out set smaller than the world leaves some ranks no item; they still have
     # to join one all-reduce per metric name, so they score item 0 and add it at weight 0.
     weight = 1.0 if len(sampler) else 0.0
@@ -72,7 +72,7 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, session: 
             add(batch, weight)
             done += 1
         if collective_forward:  # as many as the rank with the most: its share rounded up, in batches
-            most = math.ceil(math.ceil(len(data) / ctx.dp_size) / micro_batch_size)  # type: ignore[arg-type]
+            most = math.ceil(math.ceil(len(data) / ctx.dp_size) / micro_batch_size)  # type: ignore[arg-type]  # Dataset's stubs lack __len__
             for _ in range(most - done):
                 add(first, 0.0)
     finally:

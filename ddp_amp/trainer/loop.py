@@ -130,7 +130,7 @@ class Trainer:
         self.step += 1
         self._progress.step = self.step  # for the heartbeat, which the failure watch's thread writes
         self.samples_seen += self.config.batch_size
-        return step_loss if step_loss.dtype == torch.float32 else step_loss.float()  # type: ignore[union-attr]
+        return step_loss if step_loss.dtype == torch.float32 else step_loss.float()
 
     def _micro_step(self, accum: int, first: bool = True) -> torch.Tensor:
         """Forward, loss and the scaled backward of one micro-batch; its detached loss."""
@@ -153,7 +153,7 @@ class Trainer:
             with self.session.no_sync(self.model) if micro < accum - 1 else _NOTHING:
                 loss = self._micro_step(accum, first=micro == 0)
             total = loss if total is None else total + loss
-        return total  # type: ignore[return-value]
+        return total  # type: ignore[return-value]  # grad_accum > 1 here: the loop ran, total is set
 
     def _add_extras(self, extras: dict[str, torch.Tensor], first: bool, accum: int) -> None:
         """Keep a step_fn's scalars as the step's mean over its micro-batches (device ops only)."""
@@ -307,7 +307,7 @@ class Trainer:
         tested = self.step
         if self.best is not None and self.best.best is not None and self.best.best.step != self.step:
             tested = self.best.best.step
-            best = self.session.read(self.best.best.directory(self.checkpoints.root))[0]  # type: ignore[arg-type]
+            best = self.session.read(self.best.best.directory(self.checkpoints.root))[0]  # type: ignore[arg-type]  # set: best needs a root
             self.session.restore(best, {"model": self.model}, restore_rng=False, notice=self.run_log.info)
         return {**self.evaluate(self.task.test_data, prefix="test_"), "test_weights_from_step": tested}
 

@@ -55,6 +55,8 @@ def _same(a: Any, b: Any) -> bool:
 class TakenStepScheduler:
     """Steps `scheduler` once per taken optimizer step; see the module docstring."""
 
+    _exact_lrs: list[Any]  # the groups' LRs when the scheduler's state was last exact (mark_exact)
+
     def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: AgreedGradScaler) -> None:
         self.scheduler, self.scaler = scheduler, scaler
         self.flag_reads = 0  # host syncs spent on skip flags (tests read it)
@@ -133,7 +135,7 @@ class TakenStepScheduler:
         if self.planned:
             if self._pending >= PLAN_STEPS:
                 self.settle()
-            elif not self._constant and self._installed:
+            elif not self._constant and self._installed and self._lr is not None:  # installing sets _lr
                 taken = self._pending - (self.scaler.skipped_steps() - self._skipped_before)
                 self._lr.copy_(torch.index_select(self._table, 0, taken.view(1).long())[0])
             return

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 from torch import nn
 
@@ -10,7 +12,14 @@ from ddp_amp.session import Session
 from ddp_amp.tasks import Task
 
 
-def optimizer_kwargs(impl: str, device: torch.device, fused_takes: bool = True) -> list[dict[str, bool]]:
+class KernelChoice(TypedDict, total=False):
+    """The keywords torch's AdamW and SGD take to pick their kernel."""
+
+    fused: bool
+    foreach: bool
+
+
+def optimizer_kwargs(impl: str, device: torch.device, fused_takes: bool = True) -> list[KernelChoice]:
     """Keyword choices to try in order for `--optimizer-impl` (fused may be unavailable, and
     where `fused_takes` is False its kernel does not take these parameters)."""
     if impl == "fused":
@@ -22,7 +31,8 @@ def optimizer_kwargs(impl: str, device: torch.device, fused_takes: bool = True) 
     # auto: fused kernels take the scaler's inv-scale and found-inf as device tensors, so
     # the step needs no `.item()`; foreach is the next best (fused over foreach SGD: a step
     # time ratio of 0.85 on a 2-core CPU, 0.95 on an H100; docs/benchmarks.md).
-    return ([{"fused": True}] if fused_takes else []) + [{"foreach": device.type == "cuda"}]
+    fused: list[KernelChoice] = [{"fused": True}] if fused_takes else []
+    return fused + [{"foreach": device.type == "cuda"}]
 
 
 def make_optimizers(task: Task, choice: str, params: list[nn.Parameter], lr: float,

@@ -25,7 +25,7 @@ def shard_options(config: TrainConfig) -> ShardOptions | None:
 def session_for(config: TrainConfig) -> Session:
     """The run core as the options ask for it (enter it with `with`)."""
     precision, dist = config.precision_options(), config.dist_options()
-    return Session(precision.precision, dist.device, dist.backend, dist.dist_timeout,  # type: ignore[arg-type]
+    return Session(precision.precision, dist.device, dist.backend, dist.dist_timeout,  # type: ignore[arg-type]  # strs, checked as choices
                    scaler_options=precision.loss_scale().scaler_kwargs(), fp8_emulate=precision.fp8_emulate,
                    shard=shard_options(config))
 

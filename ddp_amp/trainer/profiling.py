@@ -71,7 +71,8 @@ class ProfileWindow:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             with warnings.catch_warnings():  # a window of its own needs no warm-up steps
                 warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
-                self._prof = profile(activities=activities, schedule=schedule(wait=0, warmup=0, active=length, repeat=1), acc_events=True,
+                self._prof = profile(activities=activities,
+                                     schedule=schedule(wait=0, warmup=0, active=length, repeat=1), acc_events=True,
                                      on_trace_ready=tensorboard_trace_handler(str(self.out_dir),
                                                                               worker_name=f"rank{self.rank}"))
                 self._prof.start()

@@ -77,7 +77,8 @@ def scale_learning_rates(optimizer: torch.optim.Optimizer,
 
 def check_model_shapes(path: Path, model: nn.Module, saved: dict[str, tuple[int, ...]]) -> None:
     """Refuse a checkpoint of another model (`saved`: its tensors' shapes) before touching any parameter."""
-    live = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items() if isinstance(tensor, torch.Tensor)}
+    live = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()
+            if isinstance(tensor, torch.Tensor)}
     missing = sorted(set(live) - set(saved))
     extra = sorted(set(saved) - set(live))
     differ = [f"{name}: checkpoint {list(saved[name])} vs model {list(shape)}"
@@ -165,7 +166,7 @@ def _fits(saved: SavedState, parts: TrainingParts, rank: int, world_size: int, d
                 "micro_batch_size": saved.meta.micro_batch_size, "batches_per_epoch": saved.meta.batches_per_epoch}
     return _Fit(map_data_position(geometry, position, dp_size, stream.micro_batch_size,
                                   # a shared position is a map-style shard's, whose pass length is known
-                                  stream.batches_per_epoch, str(path)), optimizer)  # type: ignore[arg-type]
+                                  stream.batches_per_epoch, str(path)), optimizer)  # type: ignore[arg-type]  # known, as said above
 
 
 def restore_training_state(session: Session, path: Path, parts: TrainingParts, notice: Callable[[str], None],
@@ -177,8 +178,10 @@ def restore_training_state(session: Session, path: Path, parts: TrainingParts, n
     """
     rank, world_size, dp_size = session.rank, session.world_size, session.ctx.dp_size
     saved, fit = session.read(path, lambda saved: _fits(saved, parts, rank, world_size, dp_size, optimizer_may_change))
+    if fit is None:  # read gives the check's answer whenever it is given a check
+        raise RuntimeError(f"reading {path} gave no answer of its check")
     state: dict[str, Any] = {"model": parts.model}
-    if fit.optimizer:  # type: ignore[union-attr]
+    if fit.optimizer:
         state["optimizer"] = parts.optimizer_state()
     elif saved.holds("optimizer"):
         notice(f"the optimizer changed from {saved.meta.optimizer_class} to {parts.optimizer_names()} "
@@ -190,15 +193,15 @@ def restore_training_state(session: Session, path: Path, parts: TrainingParts, n
     elif parts.task_state is not None:
         notice("the checkpoint holds no task state (Task.state): the task's state starts fresh")
     values = session.restore(saved, state, notice=notice)
-    if fit.position is not None:  # type: ignore[union-attr]
-        parts.stream.load_state_dict(fit.position)  # type: ignore[union-attr]
+    if fit.position is not None:
+        parts.stream.load_state_dict(fit.position)
     else:
         notice(f"{path} holds no data position (not saved by the Trainer): the data starts from its beginning")
     if saved.world_size != world_size:
         notice(f"checkpoint was saved with {saved.world_size} rank(s), resuming with {world_size}: "
                "the data position maps exactly, but the run is no longer bitwise reproducible")
     return Restored(int(values.get("step", 0)), int(values.get("samples_seen", 0)), saved.meta,
-                    bool(fit.optimizer))  # type: ignore[union-attr]
+                    bool(fit.optimizer))
 
 
 class _OnDevice:

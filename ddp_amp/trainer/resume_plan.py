@@ -36,7 +36,7 @@ class ConfigDrift(UsageError):
         self.differences, self.fields = differences, fields
         self.args = ("\n  ".join([str(self.args[0]), *differences]),)
 
-    def __reduce__(self) -> tuple[type[ConfigDrift], tuple[str, list[str], list[str]]]:  # type: ignore[override]
+    def __reduce__(self) -> tuple[type[ConfigDrift], tuple[str, list[str], list[str]]]:  # type: ignore[override]  # pickled with its own arguments
         return type(self), (str(self.value), self.differences, self.fields)
 
 
