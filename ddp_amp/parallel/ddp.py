@@ -19,6 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_amp.errors import UsageError
+from ddp_amp.parallel.plan import COMM_DTYPES
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -26,7 +27,6 @@ CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 # torch's own hooks serve NCCL; its bf16 hook refuses other backends, though gloo sums bf16 fine.
 _NCCL_HOOKS: dict[str, CommHook] = {"fp16": default_hooks.fp16_compress_hook,
                                     "bf16": default_hooks.bf16_compress_hook}
-_COMM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _cast_hook(dtype: torch.dtype) -> CommHook:
@@ -50,9 +50,9 @@ def _cast_hook(dtype: torch.dtype) -> CommHook:
 
 def comm_hook(grad_comm_dtype: str, backend: str = "gloo") -> CommHook | None:
     """The DDP comm hook for `--grad-comm-dtype`, or None for DDP's own fp32 all-reduce."""
-    if grad_comm_dtype not in _COMM_DTYPES:
-        raise UsageError("--grad-comm-dtype", grad_comm_dtype, "one of " + ", ".join(_COMM_DTYPES), "")
-    dtype = _COMM_DTYPES[grad_comm_dtype]
+    if grad_comm_dtype not in COMM_DTYPES:
+        raise UsageError("--grad-comm-dtype", grad_comm_dtype, "one of " + ", ".join(COMM_DTYPES), "")
+    dtype = COMM_DTYPES[grad_comm_dtype]
     if dtype is None:
         return None
     return _NCCL_HOOKS[grad_comm_dtype] if backend == "nccl" else _cast_hook(dtype)
