@@ -135,11 +135,15 @@ def test_two_rank_torchrun_on_a_terminal_shows_one_progress_bar(tmp_path: Path) 
                                "--precision", "fp16", "--max-steps", "12", "--log-every", "4",
                                "--batch-size", "16", "--task-opt", "hidden=16",
                                "--task-opt", "samples=256", "--run-dir", str(tmp_path)])
-    # tqdm redraws its line with "\r" and ends it with one "\n" when it closes: one
-    # progress stream means exactly one finished bar, and it carries the AMP numbers.
-    lines = output.replace("\r\n", "\n").split("\n")
-    finished = [line.rsplit("\r", 1)[-1] for line in lines if "12/12" in line]
+    # What the terminal shows once the run is over, row by row: each row is what follows its
+    # last "\r". tqdm redraws the bar in place as often as its clock says (so how many times
+    # "12/12" was drawn depends on the machine's load), clears it before a line is written
+    # above it, and leaves it on a row of its own only when it closes. One progress stream
+    # means exactly one bar left on screen, at the final count, with the AMP numbers.
+    rows = [line.rsplit("\r", 1)[-1] for line in output.replace("\r\n", "\n").split("\n")]
+    finished = [row for row in rows if row.startswith("train:")]
     assert len(finished) == 1, output
+    assert "12/12" in finished[0], finished
     assert "train: 100%" in finished[0] and "scale=" in finished[0] and "skipped=0" in finished[0], finished
     assert "samples/s=" in finished[0]
     assert "step=4 " not in output  # on a terminal the bar replaces the plain lines

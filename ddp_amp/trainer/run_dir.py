@@ -12,6 +12,11 @@ run: the kernel drops it when the process ends, however it ends, so a `kill -9` 
 stale lock and the job's restart gets it. The file holds who has it (host, pid, job id,
 start time) for the message a second job gets. On NFS, Linux maps flock to a POSIX lock
 that the server arbitrates, so the lock holds across nodes there too.
+
+Where the filesystem has no flock (Lustre mounted without `-o flock` answers ENOSYS), the
+lock is an exclusive lock file instead (`lock_file.OwnerFileLock`: created with O_EXCL,
+naming its holder, taken over only when that holder provably no longer runs, removed on
+release), with a one-line notice that this fallback is in use.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +35,7 @@ from ddp_amp.config import TrainConfig
 from ddp_amp.errors import UsageError
 from ddp_amp.session import DistEnv, Session
 from ddp_amp.tasks import task_label
+from ddp_amp.trainer.lock_file import UNSUPPORTED, OwnerFileLock
 
 RUNS_ROOT = Path("runs")
 LOCK_FILE = ".lock"
@@ -66,12 +73,18 @@ def _describe(holder_text: str) -> str:
         return "a process that has not written its name yet"
 
 
+def _notice(message: str) -> None:
+    # Rank 0 only, before the run log exists: straight to stderr, one line.
+    print(f"[ddp_amp] notice: {message}", file=sys.stderr, flush=True)
+
+
 class RunLock:
     """Rank 0's hold on a run directory; `acquire` on rank 0, `release` when the run ends."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self._fd: int | None = None
+        self._owner_file: OwnerFileLock | None = None
 
     def acquire(self, env: DistEnv) -> None:
         """Take the lock (creating the directory) or raise UsageError naming its holder."""
@@ -90,12 +103,28 @@ class RunLock:
             raise UsageError("--run-dir", str(self.run_dir), "a run directory no other job is using",
                              f"it is in use by {_describe(holder)}; wait for that job to end or stop "
                              "it, or give this run its own --run-dir / --run-name") from None
+        except OSError as error:
+            os.close(fd)
+            if error.errno not in UNSUPPORTED:
+                raise
+            self._take_owner_file(env, error)
+            return
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(_holder(env)) + "\n").encode(), 0)
         os.fsync(fd)
         self._fd = fd
 
+    def _take_owner_file(self, env: DistEnv, error: OSError) -> None:
+        lock = OwnerFileLock(self.run_dir)
+        lock.acquire(_holder(env), _notice)
+        _notice(f"the filesystem of {self.run_dir} does not support flock ({os.strerror(error.errno or 0)}): "
+                f"the run lock is the lock file {lock.path}, removed when the run ends")
+        self._owner_file = lock
+
     def release(self) -> None:
+        if self._owner_file is not None:
+            self._owner_file.release()
+            self._owner_file = None
         if self._fd is not None:
             os.ftruncate(self._fd, 0)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
