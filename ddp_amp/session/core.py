@@ -22,7 +22,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
@@ -281,10 +281,13 @@ class Session(SessionSaving):
         return tuple(grad / scale for grad in grads)
 
     def step(self, *optimizers: torch.optim.Optimizer, clip_grad_norm: float | None = None,
-             update: bool = True, skip_together: bool = False) -> StepResult:
+             clip_params: Iterable[torch.Tensor] | None = None, update: bool = True,
+             skip_together: bool = False) -> StepResult:
         """Unscale, clip, step each optimizer unless any rank saw inf/NaN, update once (collective).
 
-        Clipping uses one total norm over all given optimizers' gradients, in real units.
+        Clipping uses one total norm over all given optimizers' gradients, in real units;
+        `clip_params` (e.g. `model.parameters()`) names the parameters to clip, in the order
+        torch's `clip_grad_norm_` would be given them, so a loop clips as a plain one does.
         Each optimizer skips on an inf in its own gradients, as torch's GradScaler does;
         `skip_together` makes them step together or not at all (a GAN's two, say). Pass
         several optimizers that share the scaler in one call, or use `update=False` for all
@@ -295,8 +298,8 @@ class Session(SessionSaving):
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise UsageError("clip_grad_norm", clip_grad_norm, "a number > 0 or None",
                              "None turns clipping off")
-        return amp_step(self.scaler, optimizers, clip_grad_norm=clip_grad_norm, update=update,
-                        skip_together=skip_together)
+        return amp_step(self.scaler, optimizers, clip_grad_norm=clip_grad_norm, clip_params=clip_params,
+                        update=update, skip_together=skip_together)
 
     def update(self) -> None:
         """Update the loss scale once, after every optimizer of the step has stepped."""
