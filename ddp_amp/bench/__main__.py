@@ -6,6 +6,7 @@
     python -m ddp_amp.bench --check                 # every stated target: met, missed or n/a here
     python -m ddp_amp.bench --sections transformer  # GPT-2 small: tokens/s, memory, MFU (GPU)
     python -m ddp_amp.bench --sections checkpoint --scale 1  # async vs sync save stall, 101M params
+    python -m ddp_amp.bench --sections resume --check  # bytes each rank hashes on resume
     python -m ddp_amp.bench --json bench.json       # also write the figures as JSON
     python -m ddp_amp.bench --help                  # every option
 
@@ -15,7 +16,8 @@ the table shows that as measured. Exit codes: 0 done, 2 bad input, 1 a failed se
 with --check, a target missed).
 
 Targets (targets.py): host, Trainer / hand in every row, on any device; overhead and
-transformer, a GPU's (not applicable on a CPU, and `--check` says so); recipe, fastpaths
+transformer, a GPU's (not applicable on a CPU, and `--check` says so); resume, no rank
+hashes more than it reads; recipe, fastpaths
 and checkpoint report figures without targets.
 """
 
@@ -32,10 +34,10 @@ from typing import Any, NoReturn
 
 import torch
 
-from ddp_amp.bench import amp_recipe, checkpoint_stall, fastpaths, host, memory, overhead, table, transformer
+from ddp_amp.bench import amp_recipe, checkpoint_stall, fastpaths, host, memory, overhead, resume, table, transformer
 from ddp_amp.bench.targets import check_report, check_text
 
-SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint", "memory")
+SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint", "memory", "resume")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
         "loop vs Trainer, fp32/bf16/fp16/fp8, eager and compiled: tokens/s, peak memory, TFLOP/s and MFU "
         "from torch's FLOP counter; (checkpoint) the loop's stall of a --async-checkpoint save (RNG gather and "
         "host copy; the write runs in the background) against a synchronous save, as paired saves of one "
-        "trainer on an mlp of 8 layers of width 4096 x --scale (101M parameters and AdamW state at scale 1). "
+        "trainer on an mlp of 8 layers of width 4096 x --scale (101M parameters and AdamW state at scale 1); "
+        "(resume) each rank's verification time and bytes hashed when a sharded checkpoint is found again, "
+        "on 1, 2 and 4 gloo ranks, against its own shards plus the replicated files. "
         "Defaults depend on the device: recipe sizes on CUDA, 1/16 of them and short runs on CPU.")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated sections to run, from {', '.join(SECTIONS)} (default: all)")
@@ -198,6 +202,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         section = memory.run(args.device, args.memory_width, args.memory_layers)
         report["sections"]["memory"] = section
         print("\n" + memory.memory_table(section), flush=True)
+    if "resume" in args.sections:
+        section = resume.run()
+        report["sections"]["resume"] = section
+        print("\n" + resume.resume_table(section), flush=True)
     return report
 
 

@@ -9,12 +9,14 @@
   `SavedState`, one read back; `sharded_state`: the entries written as DCP shards;
 - `meta`: `Meta`, meta.json as a typed record, read and written there only;
 - `commit`: a directory appears whole or not at all (temporary directory, fsync, manifest,
-  rename); retention deletes old checkpoints only after a new one is committed;
+  rename); `retention` lets old checkpoints go only after a new one is committed, deleting
+  them in the background;
 - `manifest`: sizes and sha256 of every file, so a torn checkpoint is told from a whole one;
+  `verify`: on resume each rank hashes only the files it reads, and the ranks agree;
 - `best`: the pointer to the best checkpoint by an eval metric, which retention keeps;
 - `discovery`: `step-N` layout, the newest complete checkpoint, `--resume auto|none|PATH`;
 - `safe_types`: what a checkpoint may hold and the restricted loader that reads it back;
-- `rng`: every rank's RNG states;
+- `rng`: every rank's RNG states, a file per rank;
 - `save` / `load`: the collective save and read-and-agree underneath the Checkpointer;
 - `background` / `staging`: the same save with the write in a thread on rank 0, from a host
   copy of the state (`--async-checkpoint`);
@@ -27,13 +29,14 @@ group), `durable`, `errors` and `version`; nothing above it.
 
 from ddp_amp.checkpoint.best import BestRecord, read_best, write_best
 from ddp_amp.checkpoint.checkpointer import Checkpointer, Saved
-from ddp_amp.checkpoint.commit import apply_retention, commit_checkpoint, commit_directory
+from ddp_amp.checkpoint.commit import commit_checkpoint, commit_directory
 from ddp_amp.checkpoint.discovery import (checkpoint_root, complete_copy, list_step_dirs, newest_complete,
                                           resolve_resume, step_dir_name)
 from ddp_amp.checkpoint.layout import SavedState, module_file
 from ddp_amp.checkpoint.load import read_checkpoint
 from ddp_amp.checkpoint.manifest import IncompleteCheckpoint, verify_checkpoint
 from ddp_amp.checkpoint.meta import Meta, read_meta
+from ddp_amp.checkpoint.retention import apply_retention
 from ddp_amp.checkpoint.safe_types import safe_load
 from ddp_amp.checkpoint.save import ensure_writable
 from ddp_amp.checkpoint.sharded import sharded_tensors

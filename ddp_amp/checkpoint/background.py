@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ddp_amp.checkpoint.meta import Meta
+from ddp_amp.checkpoint.retention import Retention
 from ddp_amp.checkpoint.rng import gather_rng_states
 from ddp_amp.checkpoint.save import build_contents, commit_outcome, commit_to
 from ddp_amp.checkpoint.sharded import start_sharded_write
@@ -105,7 +106,7 @@ class BackgroundSaver:
         return self._write.target if self._write is not None else None
 
     def start(self, target: Path, files: dict[str, Any], meta: Meta, device: torch.device,
-              world_size: int, keep_last: int = 0) -> None:
+              world_size: int, keep_last: int = 0, retention: Retention | None = None) -> None:
         """Start writing the checkpoint `target` (collective); returns once it is copied.
 
         `files`, `meta` and `keep_last` as for `save_directory`. A value that would not load
@@ -118,13 +119,14 @@ class BackgroundSaver:
 
         def stage() -> None:
             contents = build_contents(self._staging.copy(files), meta, rng_states, world_size)
-            write.start(lambda: commit_outcome(target, commit_to(target, keep_last), contents))
+            write.start(lambda: commit_outcome(target, commit_to(target, keep_last, retention=retention), contents))
 
         on_rank_zero(stage)
         self._write = write
 
     def start_sharded(self, target: Path, files: dict[str, Any], meta: Meta, sharded: dict[str, Any],
-                      device: torch.device, world_size: int, keep_last: int, group: Any) -> None:
+                      device: torch.device, world_size: int, keep_last: int, group: Any,
+                      retention: Retention | None = None) -> None:
         """Start a sharded checkpoint (`sharded.save_sharded`'s) in the background (collective):
         every rank's shards go through torch.distributed.checkpoint's async save on `group` (a
         process group of the saves' own: the training's collectives go on meanwhile), and
@@ -139,7 +141,7 @@ class BackgroundSaver:
             staged.update(build_contents(self._staging.copy(files), meta, rng_states, world_size))
 
         on_rank_zero(stage)  # a value that would not load back is refused on every rank, as above
-        work = start_sharded_write(target, sharded, group, keep_last)
+        work = start_sharded_write(target, sharded, group, keep_last, retention)
         write.start(lambda: work(staged))
         self._write = write
 

@@ -2,10 +2,12 @@
 `Session` loop's: saved in the one layout (layout.py) now or in the background, found
 (the newest complete one, `--resume auto|none|PATH`), read and checked on every rank before
 anything is applied, then restored (DCP shards resharded onto this world, each rank's RNG).
+Finding and reading check on each rank only the files that rank reads, agreed (verify.py).
 
 Saving is collective: every rank calls it; per-rank entries are gathered, RNG states too,
 and rank 0 commits through `ddp_amp.checkpoint`'s protocol (temporary directory, fsync,
-manifest, atomic rename, retention after the commit). A background save returns once the
+manifest, atomic rename, retention after the commit, its deletions in a thread of rank 0's).
+A background save returns once the
 state is copied to host memory; rank 0's writer thread commits it (every rank's writes its
 own shards of a sharded state first), one write in flight,
 and the outcome reaches every rank at the next save or `wait`. A failed write raises the
@@ -28,16 +30,18 @@ from torch.utils._pytree import tree_map
 from ddp_amp.amp import AgreedGradScaler, Precision
 from ddp_amp.checkpoint.background import BackgroundSaver
 from ddp_amp.checkpoint.best import BestRecord, read_best, write_best
-from ddp_amp.checkpoint.discovery import (checkpoint_root, complete_copy, list_step_dirs, newest_complete,
-                                          resolve_resume, step_dir_name)
+from ddp_amp.checkpoint.discovery import (candidate_dirs, checkpoint_root, copies_of, list_step_dirs,
+                                          resolve_resume, resume_candidates, step_dir_name)
 from ddp_amp.checkpoint.layout import (SCALER_KEY, SavedState, check_keys, layout_files, load_into, saved_state,
                                        state_of)
-from ddp_amp.checkpoint.load import LoadedCheckpoint, choose_checkpoint, read_agreed, restore_scaler
+from ddp_amp.checkpoint.load import LoadedCheckpoint, read_agreed, restore_scaler
 from ddp_amp.checkpoint.meta import Meta, read_meta
+from ddp_amp.checkpoint.retention import Retention
 from ddp_amp.checkpoint.rng import restore_rng as restore_rng_states
 from ddp_amp.checkpoint.save import save_directory
 from ddp_amp.checkpoint.sharded import load_sharded, save_sharded
 from ddp_amp.checkpoint.sharded_state import dcp_form, put_back, restore_full, sharded_keys
+from ddp_amp.checkpoint.verify import agree_on
 from ddp_amp.distributed import DistContext, all_gather_objects, mark_agreed, on_rank_zero
 from ddp_amp.errors import UsageError
 
@@ -58,6 +62,11 @@ def _to_host(value: Any) -> Any:
     return tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, state_of(value))
 
 
+def _listed(found: tuple[list[Path], bool]) -> tuple[list[str], bool]:
+    """`resume_candidates`' answer as it is sent to every rank."""
+    return [str(path) for path in found[0]], found[1]
+
+
 class Checkpointer:
     """Save, find, read and restore the checkpoints of one process group's state.
 
@@ -70,6 +79,8 @@ class Checkpointer:
         self.ctx, self.precision, self.scaler, self.warn = ctx, precision, scaler, warn
         self._background = BackgroundSaver()
         self._group: dist.ProcessGroup | None = None
+        self._retention = Retention()  # rank 0's: old checkpoints deleted while training goes on
+        self._verified: set[Path] = set()  # checkpoints every rank has checked its files of
 
     def _save_group(self) -> dist.ProcessGroup:
         """The process group background sharded saves talk over (made once, collective): one
@@ -88,6 +99,7 @@ class Checkpointer:
         """Commit `state` as the checkpoint `target` (collective); see `Session.save`."""
         check_keys(state, per_rank)
         self.wait()  # one write in flight: a failed earlier one raises here, on every rank
+        self._verified.discard(target)  # written anew: checked anew before it is read
         started = time.perf_counter()
         gathered = {key: all_gather_objects(_to_host(value)) for key, value in sorted(per_rank.items())}
         sharded = sharded_keys(state)
@@ -101,17 +113,19 @@ class Checkpointer:
         if sharded:
             if background:
                 self._background.start_sharded(target, files, description, dcp_form(state, sharded), self.ctx.device,
-                                               self.ctx.world_size, keep_last, self._save_group())
+                                               self.ctx.world_size, keep_last, self._save_group(), self._retention)
                 return None
             result = save_sharded(target, files, description, dcp_form(state, sharded), self.ctx.device,
-                                             self.ctx.world_size, keep_last)
+                                  self.ctx.world_size, keep_last, self._retention)
             if result.error is not None:
                 raise mark_agreed(result.error, 0)
             return Saved(target, time.perf_counter() - started)
         if background:
-            self._background.start(target, files, description, self.ctx.device, self.ctx.world_size, keep_last)
+            self._background.start(target, files, description, self.ctx.device, self.ctx.world_size, keep_last,
+                                   self._retention)
             return None
-        result = save_directory(target, files, description, self.ctx.device, self.ctx.world_size, keep_last)
+        result = save_directory(target, files, description, self.ctx.device, self.ctx.world_size, keep_last,
+                                self._retention)
         if result.error is not None:
             raise mark_agreed(result.error, 0)  # the same outcome on every rank
         return Saved(target, time.perf_counter() - started)
@@ -138,31 +152,49 @@ class Checkpointer:
             saved = saved_state(loaded)
             return saved, (check(saved) if check is not None else None)
 
-        target = on_rank_zero(lambda: self._find(path))  # one rank hashes the files
-        _, result = read_agreed(target, None, checked, what=what)
+        _, result = read_agreed(self._find(path), None, checked, what=what, rank=self.ctx.rank)
         return result
 
+    def _agree(self, candidates: list[str], warn: Callable[[str], None]) -> tuple[Path | None, str]:
+        """The first of `candidates` every rank finds complete (collective; see verify.py)."""
+        return agree_on([Path(path) for path in candidates], self.ctx.rank, self.ctx.world_size, warn,
+                        self._verified)
+
     def _find(self, path: Path) -> Path:
-        """`path`, or the complete copy a crash during a re-save left beside it; else UsageError."""
-        found = complete_copy(path, self.warn)
+        """`path`, or the complete copy a crash during a re-save left beside it; else UsageError
+        (collective: every rank checks the files it reads)."""
+        copies = on_rank_zero(lambda: [str(copy) for copy in copies_of(path)])
+        found, reason = self._agree(copies, self.warn)
         if found is not None:
             return found
-        if path.exists():
-            raise UsageError("checkpoint", str(path), "a complete checkpoint directory written by Session.save",
-                             "it could not be read (no valid manifest.json); it may be torn or not a checkpoint")
-        raise UsageError("checkpoint", str(path), "an existing checkpoint directory",
-                         "check the path; Session.save writes it")
+        if copies:
+            raise mark_agreed(UsageError("checkpoint", str(path), "a complete checkpoint directory written by "
+                                         "Session.save", "it could not be read (no valid manifest.json); it may be "
+                                         f"torn or not a checkpoint ({reason})"), 0)
+        raise mark_agreed(UsageError("checkpoint", str(path), "an existing checkpoint directory",
+                                     "check the path; Session.save writes it"), 0)
 
     def latest(self, root: Path) -> Path | None:
         """The newest complete `step-N` checkpoint under `root`, or None (collective: rank 0
-        verifies the manifests, every rank gets the answer)."""
-        return on_rank_zero(lambda: newest_complete(root, self.warn))
+        checks that the files are there, each rank hashes those it reads, all agree)."""
+        return self._agree(on_rank_zero(lambda: [str(path) for path in candidate_dirs(root)]), self.warn)[0]
 
     def choose(self, choice: str, root: Path, warn: Callable[[str], None] | None = None) -> Path | None:
         """`--resume auto|none|PATH` resolved against checkpoint folder `root`: a complete
-        checkpoint, or None to start fresh (collective: rank 0 verifies, every rank learns it;
-        each one skipped is told to `warn`, the session's log by default)."""
-        return choose_checkpoint(choice, root, warn or self.warn)
+        checkpoint, or None to start fresh (collective, checked as `latest` checks; each one
+        skipped is told to `warn`, the session's log by default). A PATH that names one
+        checkpoint which fails the check is refused on every rank."""
+        if choice == "none":
+            return None
+        candidates, named = on_rank_zero(lambda: _listed(resume_candidates(choice, root)))
+        found, reason = self._agree(candidates, (lambda _: None) if named else (warn or self.warn))
+        if found is not None or not (named or candidates) or choice == "auto":
+            return found
+        if named:
+            raise mark_agreed(UsageError("--resume", choice, "a complete checkpoint directory (step-N with a "
+                                         "manifest.json)", reason), 0)
+        raise mark_agreed(UsageError("--resume", choice, "a folder holding a complete checkpoint",
+                                     "every step-N in it failed its manifest check (see the warnings)"), 0)
 
     def restore(self, saved: SavedState, state: Mapping[str, Any], restore_rng: bool,
                 notice: Callable[[str], None]) -> dict[str, Any]:
@@ -183,7 +215,7 @@ class Checkpointer:
                 load_into(obj, value)
         restore_scaler(self.scaler, saved.values.get(SCALER_KEY) or {}, saved.scaler_skipped_total,
                        self.precision.name, str(saved.meta.precision), notice)
-        if restore_rng and rank < len(saved.rng):
+        if restore_rng and rank in saved.rng:
             restore_rng_states(saved.rng[rank], self.ctx.device)
         values = {key: value for key, value in saved.values.items() if key != SCALER_KEY}
         if saved.world_size == self.ctx.world_size:

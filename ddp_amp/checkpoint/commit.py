@@ -4,8 +4,9 @@
 2. Write `manifest.json` (sizes + sha256 of the others) last, fsync it and the directory.
 3. Rename the directory to its name (atomic on POSIX), then fsync the parent so the rename
    itself survives a power cut.
-4. Only then, for a run's `step-N` checkpoints, apply `--keep-last`: a crash or a full
-   disk at any point leaves every previously committed checkpoint untouched.
+4. Only then, for a run's `step-N` checkpoints, apply `--keep-last` (retention.py: renamed
+   out of sight now, deleted in the background): a crash or a full disk at any point
+   leaves every previously committed checkpoint untouched.
 `commit_directory` does 1-3 for any target; `commit_checkpoint` adds 4 for a target that is
 a `step-N` directory, whose siblings are the run's other checkpoints.
 """
@@ -13,7 +14,6 @@ a `step-N` directory, whose siblings are the run's other checkpoints.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -21,12 +21,11 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ddp_amp.checkpoint.best import protected_directory
-from ddp_amp.checkpoint.discovery import ASIDE_PREFIX, SCRATCH_PREFIX, list_step_dirs, step_of
+from ddp_amp.checkpoint.discovery import ASIDE_PREFIX, SCRATCH_PREFIX, step_of
 from ddp_amp.checkpoint.manifest import FORMAT_VERSION, MANIFEST_NAME, FileRecord, encode_manifest
+from ddp_amp.checkpoint.retention import Retention
 from ddp_amp.durable import fsync_dir
 
-log = logging.getLogger(__name__)
 
 
 
@@ -125,11 +124,15 @@ def commit_directory(target: Path, files: dict[str, Any], step: int = 0,
     records = dict(records)
     try:
         scratch = scratch if scratch is not None else new_scratch(target)
+        folders = {scratch}
         for name, payload in files.items():
+            (scratch / name).parent.mkdir(exist_ok=True)  # a file of a folder: each rank's RNG
+            folders.add((scratch / name).parent)
             records[name] = _write_file(scratch / name, payload)
         manifest = {"format": FORMAT_VERSION, "step": step, "files": records}
         _write_file(scratch / MANIFEST_NAME, encode_manifest(manifest))
-        fsync_dir(scratch)
+        for folder in sorted(folders, reverse=True):  # a folder's entries before the folder's own
+            fsync_dir(folder)
         _move_into_place(scratch, target)
         fsync_dir(target.parent)
     except BaseException:
@@ -143,14 +146,18 @@ def commit_directory(target: Path, files: dict[str, Any], step: int = 0,
 
 
 def commit_checkpoint(target: Path, files: dict[str, Any], keep_last: int = 0,
-                      written: tuple[Path, dict[str, FileRecord]] | None = None) -> Path:
+                      written: tuple[Path, dict[str, FileRecord]] | None = None,
+                      retention: Retention | None = None) -> Path:
     """Commit `files` (and what is `written` already) as the directory `target`; where it is
-    a `step-N` directory, then apply retention to its siblings (`keep_last`, 0 keeps all)."""
+    a `step-N` directory, then apply retention to its siblings (`keep_last`, 0 keeps all):
+    through `retention`, deleted in the background, else here."""
     step = step_of(target)
+    if retention is not None:
+        retention.wait()  # the previous deletion is done before this commit touches the folder
     target = commit_directory(target, files, step or 0, written)
     if step is not None:
         remove_scratch(target.parent)
-        apply_retention(target.parent, keep_last, target)
+        (retention or Retention()).apply(target.parent, keep_last, target, background=retention is not None)
     return target
 
 
@@ -161,26 +168,3 @@ def remove_scratch(root: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
         else:
             entry.unlink(missing_ok=True)
-
-
-def apply_retention(root: Path, keep_last: int, newest: Path) -> list[Path]:
-    """Keep `newest` and the `keep_last - 1` checkpoints just older than it; 0 keeps all.
-
-    The best checkpoint (best.py's pointer), if any, is kept besides them.
-
-    Directories with a higher step than `newest` (left by an earlier run or skipped as
-    corrupt) are not touched: this run did not write them.
-    """
-    if keep_last < 1:
-        return []
-    steps = list_step_dirs(root)
-    newest_step = next((step for step, path in steps if path == newest), None)
-    if newest_step is None:
-        return []
-    best = protected_directory(root)  # --keep-best's checkpoint stays, and counts apart
-    older = [path for step, path in steps if step < newest_step and path != best]
-    doomed = older[:max(0, len(older) - (keep_last - 1))]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-        log.debug("retention removed %s", path)
-    return doomed

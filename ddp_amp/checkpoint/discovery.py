@@ -80,6 +80,33 @@ def _candidates(root: Path) -> list[Path]:
     return [path for _, _, path in sorted(ranked, reverse=True)]
 
 
+def candidate_dirs(root: Path) -> list[Path]:
+    """Every checkpoint directory under `root` a resume may take, newest first, unverified."""
+    return _candidates(root)
+
+
+def copies_of(target: Path) -> list[Path]:
+    """`target` and the copies a crash during a re-save left set aside, those that exist,
+    in the order `complete_copy` tries them; unverified."""
+    return [path for path in [target, *sorted(target.parent.glob(f"{ASIDE_PREFIX}{target.name}-*"), reverse=True)]
+            if path.exists()]
+
+
+def resume_candidates(choice: str, root: Path) -> tuple[list[Path], bool]:
+    """`--resume auto|PATH`'s checkpoint directories, newest first and unverified, and whether
+    the choice named one directory (refused if it fails) rather than a folder of them (the
+    next older one is taken). UsageError for a PATH that does not exist."""
+    if choice == "auto":
+        return _candidates(root), False
+    path = Path(choice)
+    if not path.exists():
+        raise UsageError("--resume", choice, "an existing checkpoint directory",
+                         f"use --resume auto to pick the newest in {root}, or --resume none")
+    if not (path / "manifest.json").exists() and path.is_dir() and list_step_dirs(path):
+        return _candidates(path), False
+    return [path], True
+
+
 def newest_complete(root: Path, warn: Callable[[str], None]) -> Path | None:
     """The newest checkpoint under `root` whose manifest verifies; warns about each one skipped."""
     candidates = _candidates(root)

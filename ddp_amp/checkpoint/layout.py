@@ -8,16 +8,19 @@
                      `state_dict()`, plain values (numbers, strings, paths, containers),
                      and the loss scaler's state under the reserved key "scaler"
       data.pt        each per-rank entry in a file of its own: {"ranks": [rank 0's, ...]}
-      rng.pt         every rank's RNG states
+      rng/rank-00000.pt  each rank's RNG states, a file per rank: each rank reads its own
       meta.json      who saved it, world size, versions, precision, which files are modules
                      and which per-rank, and the caller's own description
+      sharded/       a sharded state's DCP shards (`__<rank>_<n>.distcp`, each rank its
+                     own) and their map (`.metadata`); see sharded.py
       manifest.json  size and sha256 of every other file, written last: the checkpoint is
-                     complete exactly when it verifies
+                     complete exactly when it verifies. A resume checks on each rank only
+                     the files that rank reads (verify.py)
 
 `python -m ddp_amp.export` takes a module's file from here, `--resume` and `Session.load`
-read it all. Two older layouts still load: the Trainer's `train.pt` (today's `state.pt`,
-with the scaler's skipped-step count inside) and a Session's `state.pt` that held the
-modules' state dicts among its values.
+read it all. Older layouts still load: the Trainer's `train.pt` (today's `state.pt`,
+with the scaler's skipped-step count inside), a Session's `state.pt` that held the
+modules' state dicts among its values, and one `rng.pt` holding every rank's RNG states.
 """
 
 from __future__ import annotations
@@ -125,7 +128,8 @@ class SavedState:
     values: dict[str, Any]  # state.pt, the scaler's entry included
     modules: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> state dict
     per_rank: dict[str, list[Any]] = field(default_factory=dict)  # key -> every rank's value
-    rng: list[dict[str, Any]] = field(default_factory=list)
+    rng: dict[int, dict[str, Any]] = field(default_factory=dict)  # the reading rank's RNG states, by rank
+    rng_ranks: int = 0  # how many ranks' RNG states the checkpoint holds
 
     @property
     def sharded(self) -> list[str]:
@@ -134,7 +138,7 @@ class SavedState:
 
     @property
     def world_size(self) -> int:
-        return self.meta.world_size if self.meta.world_size is not None else (len(self.rng) or 1)
+        return self.meta.world_size if self.meta.world_size is not None else (self.rng_ranks or 1)
 
     @property
     def scaler_skipped_total(self) -> int:
@@ -180,4 +184,4 @@ def saved_state(loaded: LoadedCheckpoint) -> SavedState:
             per_rank[key] = list(payload["ranks"])
         else:
             modules[key] = payload
-    return SavedState(loaded.path, loaded.meta, values, modules, per_rank, loaded.rng)
+    return SavedState(loaded.path, loaded.meta, values, modules, per_rank, loaded.rng, loaded.rng_ranks)

@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ddp_amp.amp import AgreedGradScaler
-from ddp_amp.checkpoint.discovery import resolve_resume
 from ddp_amp.checkpoint.manifest import IncompleteCheckpoint, read_manifest
 from ddp_amp.checkpoint.meta import Meta, read_meta
 from ddp_amp.checkpoint.safe_types import safe_load
-from ddp_amp.checkpoint.save import RNG_FILE
-from ddp_amp.distributed import all_gather_objects, broadcast_object, on_every_rank, on_rank_zero
+from ddp_amp.checkpoint.rng import LEGACY_RNG_FILE, RNG_DIR, rng_file
+from ddp_amp.distributed import all_gather_objects, broadcast_object, on_every_rank
 from ddp_amp.errors import UsageError
 
 T = TypeVar("T")
@@ -33,21 +32,36 @@ class LoadedCheckpoint:
     path: Path
     meta: Meta
     files: dict[str, Any]
-    rng: list[dict[str, Any]]
+    rng: dict[int, dict[str, Any]]  # the RNG states read: the reading rank's, by its rank
+    rng_ranks: int = 0  # how many ranks' RNG states the checkpoint holds
 
 
-def read_checkpoint(path: Path, names: Sequence[str] | None = None, what: str = "--resume") -> LoadedCheckpoint:
-    """Read `meta.json`, `rng.pt` and the named files of checkpoint `path` (no collectives);
-    `names` None: every `.pt` file its manifest lists."""
+def _read_rng(path: Path, listed: Sequence[str], rank: int | None) -> tuple[dict[int, dict[str, Any]], int]:
+    """Rank `rank`'s RNG states in checkpoint `path` (none for None), and how many ranks have some."""
+    if LEGACY_RNG_FILE in listed:  # the older layout: every rank's in one file, read whole
+        ranks = list(safe_load(path / LEGACY_RNG_FILE)["ranks"] or []) if rank is not None else []
+        return ({rank: ranks[rank]} if rank is not None and rank < len(ranks) else {}), len(ranks)
+    count = sum(1 for name in listed if name.startswith(f"{RNG_DIR}/"))
+    if rank is None or rng_file(rank) not in listed:
+        return {}, count
+    return {rank: safe_load(path / rng_file(rank))}, count
+
+
+def read_checkpoint(path: Path, names: Sequence[str] | None = None, what: str = "--resume",
+                    rank: int | None = None) -> LoadedCheckpoint:
+    """Read `meta.json`, the named files of checkpoint `path` and, for a `rank`, that rank's
+    RNG states (no collectives); `names` None: every replicated `.pt` file its manifest lists."""
     meta = read_meta(path, what)
+    try:
+        listed = list(read_manifest(path)["files"])
+    except IncompleteCheckpoint as error:
+        raise UsageError(what, str(path), "a complete checkpoint", str(error)) from None
     if names is None:
-        try:
-            listed = read_manifest(path)["files"]
-        except IncompleteCheckpoint as error:
-            raise UsageError(what, str(path), "a complete checkpoint", str(error)) from None
-        names = sorted(name for name in listed if name.endswith(".pt") and name != RNG_FILE)
+        names = sorted(name for name in listed if name.endswith(".pt") and "/" not in name
+                       and name != LEGACY_RNG_FILE)
     files = {name: safe_load(path / name) for name in names}
-    return LoadedCheckpoint(path, meta, files, list(safe_load(path / RNG_FILE)["ranks"]))
+    rng, count = _read_rng(path, listed, rank)
+    return LoadedCheckpoint(path, meta, files, rng, count)
 
 
 def _as_usage_error(error: Exception, path: Path, what: str) -> UsageError:
@@ -58,7 +72,7 @@ def _as_usage_error(error: Exception, path: Path, what: str) -> UsageError:
 
 
 def read_agreed(path: Path, names: Sequence[str] | None, check: Callable[[LoadedCheckpoint], T],
-                what: str = "--resume") -> tuple[LoadedCheckpoint, T]:
+                what: str = "--resume", rank: int | None = None) -> tuple[LoadedCheckpoint, T]:
     """Every rank reads checkpoint `path` and runs `check` on it (collective).
 
     Returns (the checkpoint, what `check` returned). If reading or checking fails on any
@@ -66,7 +80,7 @@ def read_agreed(path: Path, names: Sequence[str] | None, check: Callable[[Loaded
     """
     def read_and_check() -> tuple[LoadedCheckpoint, T]:
         try:
-            loaded = read_checkpoint(path, names, what)
+            loaded = read_checkpoint(path, names, what, rank)
             return loaded, check(loaded)
         except (UsageError, OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
             raise _as_usage_error(error, path, what) from None
@@ -96,13 +110,3 @@ def restore_scaler(scaler: AgreedGradScaler, saved: dict[str, Any], skipped_tota
     views = all_gather_objects(mine)
     if any(view != views[0] for view in views):
         raise RuntimeError(f"loss-scaler state differs across ranks after loading: {views}")
-
-
-def choose_checkpoint(choice: str, root: Path, warn: Callable[[str], None]) -> Path | None:
-    """Rank 0 resolves `--resume` (verifying manifests) and tells every rank (collective)."""
-    def resolve() -> str | None:
-        found = resolve_resume(choice, root, warn)
-        return str(found) if found else None
-
-    chosen = on_rank_zero(resolve)
-    return Path(chosen) if chosen else None

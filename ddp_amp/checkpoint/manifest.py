@@ -13,7 +13,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ddp_amp.checkpoint.sharded_reader import SafeShardReader
+from ddp_amp.errors import UsageError
+
 MANIFEST_NAME = "manifest.json"
+SHARDED_DIR = "sharded"  # a sharded checkpoint's DCP folder, and in it DCP's map of the shards
+MAP_FILE = ".metadata"
 FORMAT_VERSION = 1
 _CHUNK = 1 << 20
 FileRecord = dict[str, Any]  # {"size": bytes, "sha256": hex digest}
@@ -73,4 +78,30 @@ def verify_checkpoint(directory: Path, check_hashes: bool = True) -> dict[str, A
             raise IncompleteCheckpoint(f"{path}: {size} bytes, manifest says {expected.get('size')}")
         if check_hashes and file_digest(path) != expected.get("sha256"):
             raise IncompleteCheckpoint(f"{path}: sha256 differs from the manifest (corrupted)")
+    _check_shard_map(directory, manifest["files"])
     return manifest
+
+
+def _check_shard_map(directory: Path, listed: dict[str, Any]) -> None:
+    """A sharded checkpoint's map names only files the manifest lists, and reads within them:
+    a shard file gone or cut short, with a manifest made to match, is caught here rather than
+    in DCP's read on every rank."""
+    folder = directory / SHARDED_DIR
+    if f"{SHARDED_DIR}/{MAP_FILE}" not in listed:
+        return
+    try:
+        metadata = SafeShardReader(folder).read_metadata()
+    except UsageError:  # a map that is not one: its loader refuses it, unexecuted, in one line
+        return
+    except (OSError, EOFError, ValueError) as error:
+        raise IncompleteCheckpoint(f"{folder / MAP_FILE}: unreadable ({error})") from None
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = f"{SHARDED_DIR}/{info.relative_path}"
+        ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(ends.items()):
+        if name not in listed:
+            raise IncompleteCheckpoint(f"{directory / name}: named by the shards' map but not in the manifest")
+        if end > int(listed[name].get("size", 0)):
+            raise IncompleteCheckpoint(f"{directory / name}: the shards' map reads {end} bytes of it, "
+                                       f"the manifest lists {listed[name].get('size')}")

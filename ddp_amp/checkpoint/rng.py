@@ -1,7 +1,11 @@
 """Every rank's random-number state, captured for a checkpoint and put back on resume.
 
 Each rank draws its own dropout and augmentation stream, so a checkpoint holds all of
-them (gathered on rank 0, in rank order) and each rank takes back its own.
+them, one file per rank (`rng/rank-NNNNN.pt`, gathered on rank 0 and written there), and
+each rank reads back its own file only: what a rank reads does not grow with the number of
+ranks. Checkpoints of an older layout hold them all in one `rng.pt` ({"ranks": [...]}),
+which still resumes. On another number of ranks, rank r takes saved rank r's streams where
+there was one, and keeps its own seeded streams where there was not.
 """
 
 from __future__ import annotations
@@ -14,6 +18,19 @@ import torch
 import torch.distributed as dist
 
 from ddp_amp.distributed import has_peers
+
+RNG_DIR = "rng"
+LEGACY_RNG_FILE = "rng.pt"  # every rank's states in one file, as older checkpoints hold them
+
+
+def rng_file(rank: int) -> str:
+    """The checkpoint-relative name of rank `rank`'s RNG file."""
+    return f"{RNG_DIR}/rank-{rank:05d}.pt"
+
+
+def rng_files(states: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The files a checkpoint holds every rank's RNG states in (rank order in, a file each out)."""
+    return {rng_file(rank): state for rank, state in enumerate(states)}
 
 
 def capture_rng(device: torch.device) -> dict[str, Any]:

@@ -8,7 +8,7 @@ and no rank waits on a rank 0 that failed. `background.py` runs the same two ste
 the commit in a writer thread (`--async-checkpoint`).
 
 The caller names the files (the Trainer: model, train state; `Session`: the user's
-state); `rng.pt` (every rank's RNG) and `meta.json` (world size, versions, the caller's
+state); `rng/rank-NNNNN.pt` (each rank's RNG, a file each) and `meta.json` (world size, versions, the caller's
 description) are added here.
 """
 
@@ -26,13 +26,13 @@ from ddp_amp.checkpoint.commit import check_writable, commit_checkpoint
 from ddp_amp.checkpoint.discovery import list_step_dirs
 from ddp_amp.checkpoint.manifest import MANIFEST_NAME, FileRecord
 from ddp_amp.checkpoint.meta import META_FILE, Meta
-from ddp_amp.checkpoint.rng import gather_rng_states
+from ddp_amp.checkpoint.retention import Retention
+from ddp_amp.checkpoint.rng import gather_rng_states, rng_files
 from ddp_amp.checkpoint.safe_types import check_loadable
 from ddp_amp.distributed import on_rank_zero
 from ddp_amp.errors import CheckpointError, UsageError
 from ddp_amp.version import __version__
 
-RNG_FILE = "rng.pt"
 _NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 
 
@@ -75,14 +75,15 @@ def build_contents(files: dict[str, Any], meta: Meta, rng_states: list[dict[str,
                    world_size: int) -> dict[str, Any]:
     """Rank 0: every file the commit writes, once each value is known to load back.
 
-    `files` are the caller's; `rng.pt` (the gathered RNG states) and `meta.json` are added.
+    `files` are the caller's; each rank's RNG file (from the gathered states) and
+    `meta.json` are added.
     A value a safe load would refuse raises UsageError, before anything is written.
     """
     for name, value in _entries(files):
         check_loadable(name, value)
     description = meta.merged({"world_size": world_size, "ddp_amp_version": __version__,
                                "torch_version": torch.__version__})
-    return {**files, RNG_FILE: {"ranks": rng_states}, META_FILE: description.encode()}
+    return {**files, **rng_files(rng_states or []), META_FILE: description.encode()}
 
 
 def commit_outcome(target: Path, commit: Callable[[dict[str, Any]], Path],
@@ -98,28 +99,29 @@ def commit_outcome(target: Path, commit: Callable[[dict[str, Any]], Path],
         return None, write_failure(target, error)
 
 
-def commit_to(target: Path, keep_last: int = 0, written: tuple[Path, dict[str, FileRecord]] | None = None
-              ) -> Callable[[dict[str, Any]], Path]:
+def commit_to(target: Path, keep_last: int = 0, written: tuple[Path, dict[str, FileRecord]] | None = None,
+              retention: Retention | None = None) -> Callable[[dict[str, Any]], Path]:
     """Rank 0's commit of a checkpoint's contents (and of what is `written` already, as
     `commit_directory` takes it) as the directory `target`.
 
     A checkpoint already at `target` is replaced once the new one is whole; anything else
     there (a file, a directory without a manifest) is the user's and is never replaced: the
     commit raises UsageError instead. Where `target` is a `step-N` directory, retention then
-    keeps the newest `keep_last` of its siblings (0 keeps all).
+    keeps the newest `keep_last` of its siblings (0 keeps all), through `retention` where
+    given (deleted in the background).
     """
     def commit(contents: dict[str, Any]) -> Path:
         if target.exists() and not (target / MANIFEST_NAME).is_file():
             raise UsageError("checkpoint path", str(target), "a writable checkpoint location: a new "
                              "path or an earlier checkpoint (a directory with manifest.json)",
                              "something else is there and is not overwritten; pick another path")
-        return commit_checkpoint(target, contents, keep_last, written)
+        return commit_checkpoint(target, contents, keep_last, written, retention)
 
     return commit
 
 
 def save_directory(target: Path, files: dict[str, Any], meta: Meta, device: torch.device,
-                   world_size: int, keep_last: int = 0) -> SaveResult:
+                   world_size: int, keep_last: int = 0, retention: Retention | None = None) -> SaveResult:
     """Commit a checkpoint as the directory `target` (collective; see `commit_to`).
 
     A write that fails for the disk's sake (full, read-only) comes back as
@@ -128,9 +130,9 @@ def save_directory(target: Path, files: dict[str, Any], meta: Meta, device: torc
     touched.
     """
     rng_states = gather_rng_states(device)
+    commit = commit_to(target, keep_last, retention=retention)
     path, failure = on_rank_zero(
-        lambda: commit_outcome(target, commit_to(target, keep_last), build_contents(files, meta, rng_states,
-                                                                                  world_size)))
+        lambda: commit_outcome(target, commit, build_contents(files, meta, rng_states, world_size)))
     return SaveResult(Path(path) if path else None, failure)
 
 

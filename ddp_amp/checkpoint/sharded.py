@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +30,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from ddp_amp.checkpoint.commit import new_scratch
-from ddp_amp.checkpoint.manifest import FileRecord, record_of
+from ddp_amp.checkpoint.manifest import SHARDED_DIR, FileRecord, record_of
 from ddp_amp.checkpoint.meta import Meta
+from ddp_amp.checkpoint.retention import Retention
 from ddp_amp.checkpoint.rng import gather_rng_states
 from ddp_amp.checkpoint.save import SaveResult, build_contents, commit_outcome, commit_to, write_failure
 from ddp_amp.checkpoint.sharded_reader import SafeShardReader
 from ddp_amp.distributed import all_gather_objects, on_rank_zero
 from ddp_amp.durable import fsync_dir
-from ddp_amp.errors import CheckpointError
-
-SHARDED_DIR = "sharded"
+from ddp_amp.errors import CheckpointError, UsageError
 
 
 def _own_records(folder: Path, rank: int) -> dict[str, FileRecord]:
@@ -60,7 +60,7 @@ def _write_own(scratch: Path, rank: int, write: Callable[[], Any]) -> Report:
 
 
 def _commit(target: Path, scratch: Path, reports: list[Report], contents: dict[str, Any],
-            keep_last: int) -> tuple[str | None, CheckpointError | None]:
+            keep_last: int, retention: Retention | None) -> tuple[str | None, CheckpointError | None]:
     """Rank 0: commit the scratch directory once every rank reported its shards whole."""
     failed = [why for _, why in reports if why]
     if failed:
@@ -68,11 +68,12 @@ def _commit(target: Path, scratch: Path, reports: list[Report], contents: dict[s
         return None, write_failure(target, OSError(failed[0]))
     fsync_dir(scratch / SHARDED_DIR)
     written = {name: record for records, _ in reports for name, record in (records or {}).items()}
-    return commit_outcome(target, commit_to(target, keep_last, (scratch, written)), contents)
+    return commit_outcome(target, commit_to(target, keep_last, (scratch, written), retention), contents)
 
 
 def save_sharded(target: Path, files: dict[str, Any], meta: Meta, sharded: dict[str, Any],
-                 device: torch.device, world_size: int, keep_last: int = 0) -> SaveResult:
+                 device: torch.device, world_size: int, keep_last: int = 0,
+                 retention: Retention | None = None) -> SaveResult:
     """Commit a checkpoint at `target` whose `sharded` state every rank writes its part of
     (collective; `files` and `meta` as for `save_directory`, written by rank 0)."""
     rng_states = gather_rng_states(device)
@@ -81,11 +82,13 @@ def save_sharded(target: Path, files: dict[str, Any], meta: Meta, sharded: dict[
     reports = all_gather_objects(_write_own(scratch, rank, lambda: dcp.save(
         sharded, checkpoint_id=str(scratch / SHARDED_DIR))))
     path, failure = on_rank_zero(lambda: _commit(target, scratch, reports,
-                                                 build_contents(files, meta, rng_states, world_size), keep_last))
+                                                 build_contents(files, meta, rng_states, world_size), keep_last,
+                                                 retention))
     return SaveResult(Path(path) if path else None, failure)
 
 
-def start_sharded_write(target: Path, sharded: dict[str, Any], group: Any, keep_last: int
+def start_sharded_write(target: Path, sharded: dict[str, Any], group: Any, keep_last: int,
+                        retention: Retention | None = None
                         ) -> Callable[[dict[str, Any]], tuple[str | None, CheckpointError | None] | None]:
     """Start writing `sharded` into a new scratch directory for `target` in the background
     (collective): DCP's async save on `group`, a process group of the saves' own, since the
@@ -102,7 +105,7 @@ def start_sharded_write(target: Path, sharded: dict[str, Any], group: Any, keep_
         report = _write_own(scratch, rank, future.result)
         reports: list[Any] | None = [None] * world_size if rank == 0 else None
         dist.gather_object(report, reports, dst=0, group=group)
-        return _commit(target, scratch, reports, contents, keep_last) if reports is not None else None
+        return _commit(target, scratch, reports, contents, keep_last, retention) if reports is not None else None
 
     return work
 
@@ -111,10 +114,26 @@ def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     """Fill `template` (state dicts of the live objects, sharded or not) from the sharded
     part of checkpoint `path`, resharding to this world size; returns it (collective where a
     process group exists, else read by this process alone)."""
-    with warnings.catch_warnings():  # a single process without a group is what is meant here
+    with warnings.catch_warnings(), _shards_refused(path):  # a single process without a group is what is meant
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(template, storage_reader=SafeShardReader(path / SHARDED_DIR), no_dist=not dist.is_initialized())
     return template
+
+
+@contextmanager
+def _shards_refused(path: Path) -> Iterator[None]:
+    """DCP's read failures (a shard file missing or damaged although the manifest matches it)
+    as one line: DCP raises them on every rank alike, as a CheckpointException (a
+    BaseException) whose text is a traceback per rank."""
+    try:
+        yield
+    except (dcp.CheckpointException, OSError, EOFError) as error:
+        failures = getattr(error, "failures", None) or {}
+        first = next(iter(failures.values()), error)
+        cause = first[0] if isinstance(first, tuple) else first  # DCP keeps (exception, traceback)
+        reason = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+        raise UsageError("checkpoint", str(path / SHARDED_DIR), "shard files that hold what their map says",
+                         f"reading them failed ({reason[:200]}); resume from an older checkpoint") from None
 
 
 def sharded_shapes(path: Path, key: str) -> dict[str, tuple[int, ...]]:
@@ -134,7 +153,7 @@ def sharded_tensors(path: Path, key: str) -> dict[str, torch.Tensor]:
     template = {name[len(prefix):]: torch.empty(item.size, dtype=item.properties.dtype)
                 for name, item in metadata.state_dict_metadata.items()
                 if name.startswith(prefix) and isinstance(item, dcp.TensorStorageMetadata)}
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _shards_refused(path):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({key: template}, storage_reader=SafeShardReader(path / SHARDED_DIR), no_dist=True)
     return template

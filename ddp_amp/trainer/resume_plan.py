@@ -84,7 +84,7 @@ def _archive(root: Path) -> str:
     return f"--archive-checkpoints: moved the earlier checkpoints to {archived}"
 
 
-def _decide(config: TrainConfig, run_dir: Path) -> ResumePlan:
+def _decide(config: TrainConfig, run_dir: Path, chosen: Path | None) -> ResumePlan:
     root = Checkpointer.root_of(run_dir)
     if config.resume == "none":
         existing = Checkpointer.steps(root)
@@ -96,7 +96,7 @@ def _decide(config: TrainConfig, run_dir: Path) -> ResumePlan:
                              "resume them (--resume auto), start elsewhere (--run-dir / --run-name), or add "
                              "--archive-checkpoints to move them aside")
         return ResumePlan(None, notices=(_archive(root),))
-    path = Checkpointer.resolve(config.resume, root, _warn)
+    path = chosen
     if path is None:
         return ResumePlan(None)
     meta = Checkpointer.read_meta(path)
@@ -112,4 +112,7 @@ def plan_resume(config: TrainConfig, run_dir: Path, session: Session) -> ResumeP
     Reads only, except `--archive-checkpoints`' rename; call it under the run's lock for
     `auto` and `none` (they look at the run directory), before the lock for a PATH.
     """
-    return session.on_rank_zero(lambda: _decide(config, run_dir))
+    # Found and checked by every rank, each the files it reads; then rank 0 decides with it.
+    chosen = None if config.resume == "none" else \
+        session.checkpointer.choose(config.resume, Checkpointer.root_of(run_dir), _warn)
+    return session.on_rank_zero(lambda: _decide(config, run_dir, chosen))

@@ -1,0 +1,106 @@
+"""What a resume reads and hashes on each rank: verification time against checkpoint size and ranks.
+
+    python -m ddp_amp.bench --sections resume --check
+
+For 1, 2 and 4 real gloo ranks and two model sizes, a `Session` shards a stack of Linear
+layers (FSDP2) with AdamW state, saves it as a real checkpoint on disk, and then finds it
+again as a resume does (`Session.latest`: rank 0 checks that the files are there, each rank
+hashes the files it reads, all agree), timed on every rank, with a fresh checkpointer so
+nothing is remembered from the save. Each rank reports the bytes it hashed, beside its own
+shards plus the replicated files (what it reads) and the whole checkpoint (what rank 0 alone
+hashed before, while the others waited). Target, checked by `--check`: no rank hashes more
+than its own shards plus the replicated files (ratio at most 1).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddp_amp.bench.table import grid
+from ddp_amp.bench.targets import target_fields
+from ddp_amp.checkpoint.manifest import read_manifest
+from ddp_amp.checkpoint.verify import check_own_files
+from ddp_amp.distributed import DistContext
+from ddp_amp.distributed.spawn import run_ranks
+from ddp_amp.parallel import ShardOptions
+from ddp_amp.session import Session
+
+RANKS = (1, 2, 4)
+WIDTHS = (256, 1024)  # 4 layers: 0.26M and 4.2M parameters; with AdamW's moments, 3 and 50 MB
+LAYERS = 4
+_SHARD = re.compile(r"^sharded/__(\d+)_\d+\.distcp$")
+
+
+def _reads(listed: dict[str, Any], rank: int, world_size: int) -> tuple[int, int]:
+    """(bytes of this rank's own shards and RNG file plus the replicated files, bytes of all),
+    counted from the manifest apart from the rule verify.py applies."""
+    own = total = 0
+    for name, record in listed.items():
+        size, shard = int(record["size"]), _SHARD.match(name)
+        total += size
+        if shard:
+            own += size if int(shard.group(1)) == rank else 0
+        elif name.startswith("rng/"):
+            own += size if name == f"rng/rank-{rank:05d}.pt" else 0
+        else:
+            own += size
+    return own, total
+
+
+def _rank(ctx: DistContext, root: str, width: int) -> dict[str, Any]:
+    """Save a sharded checkpoint, then find it again as a resume does, timed (collective)."""
+    with Session("fp32", "cpu", backend="gloo", environ=os.environ, shard=ShardOptions()) as session:
+        torch.manual_seed(0)
+        model = session.setup(nn.Sequential(*[nn.Linear(width, width) for _ in range(LAYERS)]))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        session.backward(model(torch.randn(4, width)).square().mean())
+        session.step(optimizer)
+        path = Path(root) / "step-00000001"
+        session.save(path, {"model": model, "optimizer": optimizer})
+        session.all_reduce(torch.zeros(1))  # every rank starts the clock together
+        started = time.perf_counter()
+        found = session.latest(root)  # a checkpoint just written counts as unverified
+        seconds = time.perf_counter() - started
+        own = check_own_files(path, ctx.rank, ctx.world_size)  # what that check hashed here
+    listed = read_manifest(path)["files"]
+    reads, total = _reads(listed, ctx.rank, ctx.world_size)
+    return {"rank": ctx.rank, "found": found == path, "verify_s": seconds, "bytes_hashed": own.bytes_hashed,
+            "files_hashed": own.files, "reads_bytes": reads, "checkpoint_bytes": total, "files": len(listed)}
+
+
+def run(ranks: tuple[int, ...] = RANKS, widths: tuple[int, ...] = WIDTHS) -> dict[str, Any]:
+    """Every (width, ranks) case: each rank's verification time and bytes hashed."""
+    rows: list[dict[str, Any]] = []
+    for width in widths:
+        for world_size in ranks:
+            with tempfile.TemporaryDirectory() as scratch:
+                results = run_ranks(_rank, world_size, scratch, width, threads=1)
+            worst = max(result["bytes_hashed"] / max(result["reads_bytes"], 1) for result in results)
+            rows.append({
+                "width": width, "ranks": world_size, "checkpoint_mb": results[0]["checkpoint_bytes"] / 2**20,
+                "files": results[0]["files"], "found": all(result["found"] for result in results),
+                "verify_s": [result["verify_s"] for result in results],
+                "hashed_mb": [result["bytes_hashed"] / 2**20 for result in results],
+                "reads_mb": [result["reads_bytes"] / 2**20 for result in results],
+                **target_fields("hashed / (own shards + replicated), worst rank", worst, 1.0)})
+    return {"rows": rows}
+
+
+def resume_table(section: dict[str, Any]) -> str:
+    """The section as a table: a row per (width, ranks), per-rank figures joined by '/'."""
+    def each(values: list[float], digits: int) -> str:
+        return "/".join(f"{value:.{digits}f}" for value in values)
+
+    lines = [[str(row["width"]), str(row["ranks"]), f"{row['checkpoint_mb']:.1f}", str(row["files"]),
+              each(row["verify_s"], 3), each(row["hashed_mb"], 2), each(row["reads_mb"], 2),
+              f"{row['measured']:.2f}", "yes" if row["found"] else "NO"] for row in section["rows"]]
+    return "resume: verification on each rank (rank 0/1/...)\n" + grid(
+        ["width", "ranks", "ckpt MB", "files", "verify s", "hashed MB", "reads MB", "worst ratio", "found"], lines)
