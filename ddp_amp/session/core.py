@@ -57,7 +57,10 @@ class Session(SessionSaving):
                  backend: BackendChoice = "auto", timeout_s: float = 600.0,
                  scaler_options: Mapping[str, float | int] | None = None,
                  environ: Mapping[str, str] | None = None, *, fp8_emulate: bool = False,
-                 shard: ShardOptions | None = None) -> None:
+                 shard: ShardOptions | None = None, save_arrival_s: float = 30.0) -> None:
+        if not save_arrival_s > 0:
+            raise UsageError("save_arrival_s", save_arrival_s, "seconds > 0", "e.g. 30")
+        self.save_arrival_s = save_arrival_s
         self._choices = (precision, device, backend, timeout_s, fp8_emulate)
         # The amp layer's defaults, as the CLI's --loss-scale-* have them (a floor included);
         # the caller's settings replace them one by one.
@@ -197,6 +200,15 @@ class Session(SessionSaving):
         """The one loss scaler of this process (disabled, a pass-through, unless fp16)."""
         self.ctx  # noqa: B018 - raises when not started
         return self._scaler  # type: ignore[return-value]  # set while ctx is
+
+    def set_step(self, step: int, *, checkpoint: str | os.PathLike[str] | None = None) -> None:
+        """Tell the session the step this rank finished (and, optionally, the run's newest
+        checkpoint): a peer's line about this rank going silent or making no progress names
+        them, and the preemption record is of that step. Local and cheap: call it every step."""
+        progress = self.ctx.progress  # read by the watch's thread: plain attributes, set whole
+        progress.step = step
+        if checkpoint is not None:
+            progress.checkpoint = str(checkpoint)
 
     # -- models ----------------------------------------------------------------------
 
