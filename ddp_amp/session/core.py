@@ -44,6 +44,7 @@ from ddp_amp.metrics.trackers import Trackers, start_trackers_on_rank_zero
 from ddp_amp.checkpoint import Checkpointer
 from ddp_amp.parallel import ShardOptions, Units, fused_kernel_takes
 from ddp_amp.session.models import SessionModels
+from ddp_amp.session.preemption import LoopPreemption, Signals
 from ddp_amp.session.saving import SessionSaving
 
 log = logging.getLogger(__name__)
@@ -209,6 +210,18 @@ class Session(SessionSaving):
         progress.step = step
         if checkpoint is not None:
             progress.checkpoint = str(checkpoint)
+
+    def preemption(self, signals: Signals = "USR1", stop_signals: Signals = "TERM", *, check_every_s: float = 2.0,
+                   requeue: bool = True, max_requeues: int = 20, run_dir: str | os.PathLike[str] | None = None,
+                   start_step: int = 0) -> LoopPreemption:
+        """The Trainer's preemption stop for this loop (see `ddp_amp.session.preemption`): a
+        `signals` one (SLURM's `--signal=USR1@120`) saves and requeues, a `stop_signals` one
+        saves and stops. `run_dir` gets the records in metrics.jsonl; `start_step` is a
+        resumed loop's first step. Enter it around the loop."""
+        environ = os.environ if self._environ is None else self._environ
+        return LoopPreemption(self.ctx, self.set_step, environ, signals=signals, stop_signals=stop_signals,
+                              check_every_s=check_every_s, requeue=requeue, max_requeues=max_requeues,
+                              run_dir=Path(run_dir) if run_dir is not None else None, start_step=start_step)
 
     # -- models ----------------------------------------------------------------------
 
