@@ -2,9 +2,11 @@
 
 - `core`: `Session` (launcher, process group, precision, scaler, `parallelize` and unwrapping,
   the AMP step, the failure watch, teardown);
-- `models`: wrapping and unwrapping the user's models.
-
-- `saving`: its checkpoint methods, the session's `Checkpointer`'s (`ddp_amp.checkpoint`).
+- `models`: wrapping and unwrapping the user's models;
+- `same_start`: rank 0's weights on every rank before a model is sharded;
+- `saving`: its checkpoint methods, the session's `Checkpointer`'s (`ddp_amp.checkpoint`);
+- `arrival`: `save` is collective: every rank arrives, or the ones that did say so in seconds;
+- `preemption`: the Trainer's preemption stop for a loop of one's own (`Session.preemption`).
 
 A loop over the session (the Trainer's, or a user's) reaches the layers below only through
 it: the types its answers come in (the scaler, the autocast wrapper, the launch context,

@@ -44,6 +44,7 @@ from ddp_amp.metrics.trackers import Trackers, start_trackers_on_rank_zero
 from ddp_amp.checkpoint import Checkpointer
 from ddp_amp.parallel import ShardOptions, Units, fused_kernel_takes
 from ddp_amp.session.models import SessionModels
+from ddp_amp.session.preemption import LoopPreemption, Signals
 from ddp_amp.session.saving import SessionSaving
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,10 @@ class Session(SessionSaving):
                  backend: BackendChoice = "auto", timeout_s: float = 600.0,
                  scaler_options: Mapping[str, float | int] | None = None,
                  environ: Mapping[str, str] | None = None, *, fp8_emulate: bool = False,
-                 shard: ShardOptions | None = None) -> None:
+                 shard: ShardOptions | None = None, save_arrival_s: float = 30.0) -> None:
+        if not save_arrival_s > 0:
+            raise UsageError("save_arrival_s", save_arrival_s, "seconds > 0", "e.g. 30")
+        self.save_arrival_s = save_arrival_s
         self._choices = (precision, device, backend, timeout_s, fp8_emulate)
         # The amp layer's defaults, as the CLI's --loss-scale-* have them (a floor included);
         # the caller's settings replace them one by one.
@@ -197,6 +201,27 @@ class Session(SessionSaving):
         """The one loss scaler of this process (disabled, a pass-through, unless fp16)."""
         self.ctx  # noqa: B018 - raises when not started
         return self._scaler  # type: ignore[return-value]  # set while ctx is
+
+    def set_step(self, step: int, *, checkpoint: str | os.PathLike[str] | None = None) -> None:
+        """Tell the session the step this rank finished (and, optionally, the run's newest
+        checkpoint): a peer's line about this rank going silent or making no progress names
+        them, and the preemption record is of that step. Local and cheap: call it every step."""
+        progress = self.ctx.progress  # read by the watch's thread: plain attributes, set whole
+        progress.step = step
+        if checkpoint is not None:
+            progress.checkpoint = str(checkpoint)
+
+    def preemption(self, signals: Signals = "USR1", stop_signals: Signals = "TERM", *, check_every_s: float = 2.0,
+                   requeue: bool = True, max_requeues: int = 20, run_dir: str | os.PathLike[str] | None = None,
+                   start_step: int = 0) -> LoopPreemption:
+        """The Trainer's preemption stop for this loop (see `ddp_amp.session.preemption`): a
+        `signals` one (SLURM's `--signal=USR1@120`) saves and requeues, a `stop_signals` one
+        saves and stops. `run_dir` gets the records in metrics.jsonl; `start_step` is a
+        resumed loop's first step. Enter it around the loop."""
+        environ = os.environ if self._environ is None else self._environ
+        return LoopPreemption(self.ctx, self.set_step, environ, signals=signals, stop_signals=stop_signals,
+                              check_every_s=check_every_s, requeue=requeue, max_requeues=max_requeues,
+                              run_dir=Path(run_dir) if run_dir is not None else None, start_step=start_step)
 
     # -- models ----------------------------------------------------------------------
 

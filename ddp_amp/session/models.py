@@ -3,8 +3,8 @@
 `setup` builds one `ParallelPlan` from its arguments and the session's `ShardOptions`, and
 `parallelize` applies it: replicated, `DDP(AutocastModule(model))` (the AutocastModule alone
 for a world of one); or sharded (FSDP2), `AutocastModule(model)` with the model's blocks and
-then the model itself sharded in place. Either way the user's own module is inside
-(`unwrap`), with the same parameters.
+then the model itself sharded in place, after every rank took rank 0's weights (`same_start`).
+Either way the user's own module is inside (`unwrap`), with the same parameters.
 
 The session remembers its DDP wrappers (released before the group is torn down; a
 `retain_graph` backward through one that syncs is refused), its sharded models (whose
@@ -27,6 +27,7 @@ from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.distributed import is_sharded
 from ddp_amp.parallel import ParallelPlan, ShardOptions, Units, parallelize, release_ddp
+from ddp_amp.session.same_start import broadcast_from_rank_zero
 
 # DDP's keywords that are fields of the plan; the rest pass through as `ddp_options`.
 _PLAN_DDP_FIELDS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
@@ -49,6 +50,9 @@ class SessionModels:
                              "pass the model before wrapping; setup adds AutocastModule and DDP")
         plan = self.plan(compile_model=compile_model, grad_comm_dtype=grad_comm_dtype,
                          cast_outputs_to_fp32=cast_outputs_to_fp32, units=units, ddp_options=ddp_options)
+        if plan.shard and self.ctx.world_size > 1:
+            # As DDP does at construction: rank 0's init everywhere, whatever each rank seeded.
+            broadcast_from_rank_zero(model.to(self.ctx.device))
         made = parallelize(model, plan, self.precision, self.ctx)
         if isinstance(made.model, DDP):
             self._ddp.append(weakref.ref(made.model))

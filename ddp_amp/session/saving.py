@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ddp_amp.checkpoint import Checkpointer, Saved, SavedState
+from ddp_amp.distributed import DistContext
+from ddp_amp.session.arrival import all_arrive
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -20,8 +22,15 @@ T = TypeVar("T")
 class SessionSaving:
     """Save, find, read and restore checkpoints in one layout and commit protocol."""
 
+    # How long `save` waits for every rank to call it before it says it is collective.
+    save_arrival_s: float = 30.0
+
     @property
     def checkpointer(self) -> Checkpointer:
+        raise NotImplementedError  # the Session's
+
+    @property
+    def ctx(self) -> DistContext:
         raise NotImplementedError  # the Session's
 
     def save(self, path: str | os.PathLike[str], state: Mapping[str, Any], *,
@@ -43,14 +52,26 @@ class SessionSaving:
         is copied to host memory: rank 0 writes it while training goes on, and the next save
         or `wait_for_save()` learns the outcome. A failed write raises `CheckpointError` on
         every rank (older checkpoints are untouched).
+
+        Called on some ranks only (under `if session.is_main:`), it raises a UsageError on
+        those within `save_arrival_s` seconds (30; a `Session` keyword), before anything is
+        written: the others never called it.
         """
+        ctx = self.ctx
+        all_arrive(ctx.store, ctx.world_size, "save", self.save_arrival_s)
         saved = self.checkpointer.save(Path(path), state, per_rank or {}, meta or {}, keep_last, background)
-        return saved.path if saved is not None else None
+        if saved is None:
+            return None
+        ctx.progress.checkpoint = str(saved.path)  # the newest checkpoint, for a peer's line about this rank
+        return saved.path
 
     def wait_for_save(self) -> Saved | None:
         """Wait for the background save in flight, if any (collective): where it was saved
         and how long rank 0 took, or its `CheckpointError` raised on every rank."""
-        return self.checkpointer.wait()
+        saved = self.checkpointer.wait()
+        if saved is not None:
+            self.ctx.progress.checkpoint = str(saved.path)
+        return saved
 
     def read(self, path: str | os.PathLike[str], check: Callable[[SavedState], T] | None = None
              ) -> tuple[SavedState, T | None]:

@@ -74,7 +74,6 @@ class Trainer:
         self.watch = RunWatch(config.watch_options(), named, session.scaler, run_log, ctx.rank, session.precision,
                               distributed=ctx.has_group)
         self._precision = session.precision  # the step enters its autocast: read once here
-        self._progress = session.ctx.progress
         # --compile compiles a loss_fn on its own as well: a cross-entropy over a large
         # vocabulary then runs as fused kernels instead of materialising fp32 log-probabilities.
         self.batch_loss = BatchLoss(task, compile_loss=parallel.compile)
@@ -128,7 +127,7 @@ class Trainer:
         if self.schedule is not None:  # per step: on taken steps only, without a host sync per step
             self.schedule.after_step()
         self.step += 1
-        self._progress.step = self.step  # for the heartbeat, which the failure watch's thread writes
+        self.session.set_step(self.step)  # for the heartbeat, which the failure watch's thread writes
         self.samples_seen += self.config.batch_size
         return step_loss if step_loss.dtype == torch.float32 else step_loss.float()
 
@@ -331,7 +330,7 @@ class Trainer:
             self._apply_new_lr(restored.meta.config or {})
         if self.schedule is not None:
             self.schedule.after_load()
-        self._progress.step, self._progress.checkpoint = self.step, str(path)  # what the watch reports
+        self.session.set_step(self.step, checkpoint=path)  # what the watch reports
         self.run_log.info(f"resumed from {path} at step {self.step}")
 
     def _apply_new_lr(self, saved_config: dict[str, Any]) -> None:
