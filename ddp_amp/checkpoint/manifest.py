@@ -66,18 +66,24 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def check_listed_file(path: Path, expected: dict[str, Any], check_hash: bool = True) -> int:
+    """Check one file against its manifest entry (size, and sha256); return its size or raise
+    IncompleteCheckpoint."""
+    if not path.is_file():
+        raise IncompleteCheckpoint(f"{path}: listed in the manifest but missing")
+    size = path.stat().st_size
+    if size != expected.get("size"):
+        raise IncompleteCheckpoint(f"{path}: {size} bytes, manifest says {expected.get('size')}")
+    if check_hash and file_digest(path) != expected.get("sha256"):
+        raise IncompleteCheckpoint(f"{path}: sha256 differs from the manifest (corrupted)")
+    return size
+
+
 def verify_checkpoint(directory: Path, check_hashes: bool = True) -> dict[str, Any]:
     """Check every listed file's size (and sha256); return the manifest or raise IncompleteCheckpoint."""
     manifest = read_manifest(directory)
     for name, expected in manifest["files"].items():
-        path = directory / name
-        if not path.is_file():
-            raise IncompleteCheckpoint(f"{path}: listed in the manifest but missing")
-        size = path.stat().st_size
-        if size != expected.get("size"):
-            raise IncompleteCheckpoint(f"{path}: {size} bytes, manifest says {expected.get('size')}")
-        if check_hashes and file_digest(path) != expected.get("sha256"):
-            raise IncompleteCheckpoint(f"{path}: sha256 differs from the manifest (corrupted)")
+        check_listed_file(directory / name, expected, check_hashes)
     _check_shard_map(directory, manifest["files"])
     return manifest
 

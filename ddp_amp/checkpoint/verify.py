@@ -24,7 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ddp_amp.checkpoint.manifest import IncompleteCheckpoint, file_digest, read_manifest, verify_checkpoint
+from ddp_amp.checkpoint.manifest import IncompleteCheckpoint, check_listed_file, read_manifest, verify_checkpoint
 from ddp_amp.distributed import all_gather_objects, on_rank_zero
 
 _SHARD = re.compile(r"^sharded/__(\d+)_\d+\.distcp$")
@@ -61,14 +61,7 @@ def check_own_files(directory: Path, rank: int, world_size: int) -> OwnCheck:
         for name, expected in sorted(listed.items()):
             if not reads_file(name, rank, world_size):
                 continue
-            path = directory / name
-            if not path.is_file():
-                raise IncompleteCheckpoint(f"{path}: listed in the manifest but missing")
-            size = path.stat().st_size
-            if size != expected.get("size"):
-                raise IncompleteCheckpoint(f"{path}: {size} bytes, manifest says {expected.get('size')}")
-            if file_digest(path) != expected.get("sha256"):
-                raise IncompleteCheckpoint(f"{path}: sha256 differs from the manifest (corrupted)")
+            size = check_listed_file(directory / name, expected)
             count, hashed = count + 1, hashed + size
     except (IncompleteCheckpoint, OSError) as reason:
         return OwnCheck(f"rank {rank}: {reason}", count, hashed, time.perf_counter() - started)
