@@ -141,8 +141,11 @@ class Checkpointer:
         return Saved(finished.path, finished.write_s, background=True)
 
     def join_locally(self) -> None:
-        """On a failure path: let rank 0's write finish or fail, talking to no other rank."""
+        """At the end of a session, or on a failure path: let rank 0's write finish or fail,
+        and retention's deletion end, talking to no other rank. After it the folder holds
+        only what retention kept, so a caller that lists it sees no `.tmp-retired-` names."""
         self._background.join_locally()
+        self._retention.wait()
 
     def read(self, path: Path, check: Callable[[SavedState], T] | None = None,
              what: str = "checkpoint") -> tuple[SavedState, T | None]:
