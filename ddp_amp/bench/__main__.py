@@ -6,6 +6,7 @@
     python -m ddp_amp.bench --check                 # every stated target: met, missed or n/a here
     python -m ddp_amp.bench --sections transformer  # GPT-2 small: tokens/s, memory, MFU (GPU)
     python -m ddp_amp.bench --sections checkpoint --scale 1  # async vs sync save stall, 101M params
+    python -m ddp_amp.bench --sections scale --check   # the liveness watch at 64-16,384 ranks
     python -m ddp_amp.bench --json bench.json       # also write the figures as JSON
     python -m ddp_amp.bench --help                  # every option
 
@@ -32,10 +33,10 @@ from typing import Any, NoReturn
 
 import torch
 
-from ddp_amp.bench import amp_recipe, checkpoint_stall, fastpaths, host, memory, overhead, table, transformer
+from ddp_amp.bench import amp_recipe, checkpoint_stall, fastpaths, host, memory, overhead, scale, table, transformer
 from ddp_amp.bench.targets import check_report, check_text
 
-SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint", "memory")
+SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint", "memory", "scale")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         "host copy; the write runs in the background) against a synchronous save, as paired saves of one "
         "trainer on an mlp of 8 layers of width 4096 x --scale (101M parameters and AdamW state at scale 1). "
         "Defaults depend on the device: recipe sizes on CUDA, 1/16 of them and short runs on CPU.")
+    parser.add_argument("--scale-ranks", default=",".join(map(str, scale.RANKS)),
+                        help="the scale section's world sizes, comma-separated (default: %(default)s)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated sections to run, from {', '.join(SECTIONS)} (default: all)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
@@ -198,6 +201,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         section = memory.run(args.device, args.memory_width, args.memory_layers)
         report["sections"]["memory"] = section
         print("\n" + memory.memory_table(section), flush=True)
+    if "scale" in args.sections:
+        section = scale.run(tuple(int(n) for n in args.scale_ranks.split(",")))
+        report["sections"]["scale"] = section
+        print("\n" + scale.scale_table(section), flush=True)
     return report
 
 

@@ -74,5 +74,19 @@ class WireClient:
         self.sock.sendall(bytes([_MULTI_GET]) + struct.pack("<Q", len(keys)) + b"".join(map(self._key, keys)))
         return [self._value() for _ in keys]
 
+    # Pipelined requests, for a benchmark that speaks for many ranks over one connection:
+    # the bytes of a request, sent later in one `send`; `read_values` reads their answers.
+    def set_request(self, key: str, value: bytes) -> bytes:
+        return bytes([_SET]) + self._key(key) + _string(value)
+
+    def multi_get_request(self, keys: list[str]) -> bytes:
+        return bytes([_MULTI_GET]) + struct.pack("<Q", len(keys)) + b"".join(map(self._key, keys))
+
+    def send(self, requests: bytes) -> None:
+        self.sock.sendall(requests)
+
+    def read_values(self, count: int) -> list[bytes]:
+        return [self._value() for _ in range(count)]
+
     def close(self) -> None:
         self.sock.close()
