@@ -104,8 +104,8 @@ def _one(ranks: int) -> dict[str, Any]:
         named.wait(DETECT_LIMIT_S + 30)
         detected = time.monotonic() - kill_at if named.is_set() and not early else None
         stop.set()
-        for judge in judges:
-            judge._stopping = True
+        for judge in judges:  # a judge's thread may sleep in `caught`: not joined, and no helper restarted
+            judge._stopping, judge.heart = True, None
         for rank in (0, 1):
             watch.stop_heart(rank, None, False)
         judge_requests = 2 * -(-ranks // 100) / POLL_S  # two judges, batches of 100 beats per poll

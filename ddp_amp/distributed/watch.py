@@ -95,7 +95,7 @@ class PeerWatch:
         _RUNNING.discard(self)
         if self._thread is None:
             return
-        self._stopping = True
+        self._stopping, self.heart = True, None  # its helper is not started again once stopped
         self._wake.set()
         self._thread.join()
         self._thread = None
