@@ -61,7 +61,10 @@ class Emulated(threading.Thread):
             beating = [r for r in self.ranks if r != self.dead or began < self.kill_at]
             self.client.send(b"".join(self.client.set_request(f"ddp_amp/beat/{r}", f"{count} - r {r} - -".encode())
                                       + verdict for r in beating))
-            self.client.read_values(2 * len(beating))
+            try:
+                self.client.read_values(2 * len(beating))
+            except OSError:  # the size's run ended and its server with it
+                return
             self.requests += 2 * len(beating)
             count += 1
             self.stop.wait(max(0.0, POLL_S - (time.monotonic() - began)))
