@@ -7,6 +7,7 @@
     python -m ddp_amp.bench --sections transformer  # GPT-2 small: tokens/s, memory, MFU (GPU)
     python -m ddp_amp.bench --sections checkpoint --scale 1  # async vs sync save stall, 101M params
     python -m ddp_amp.bench --sections resume --check  # bytes each rank hashes on resume
+    python -m ddp_amp.bench --sections scale --check   # the liveness watch at 64-16,384 ranks
     python -m ddp_amp.bench --json bench.json       # also write the figures as JSON
     python -m ddp_amp.bench --help                  # every option
 
@@ -34,10 +35,11 @@ from typing import Any, NoReturn
 
 import torch
 
-from ddp_amp.bench import amp_recipe, checkpoint_stall, fastpaths, host, memory, overhead, resume, table, transformer
+from ddp_amp.bench import (amp_recipe, checkpoint_stall, fastpaths, host, memory, overhead, resume, scale, table,
+                           transformer)
 from ddp_amp.bench.targets import check_report, check_text
 
-SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint", "memory", "resume")
+SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint", "memory", "resume", "scale")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(resume) each rank's verification time and bytes hashed when a sharded checkpoint is found again, "
         "on 1, 2 and 4 gloo ranks, against its own shards plus the replicated files. "
         "Defaults depend on the device: recipe sizes on CUDA, 1/16 of them and short runs on CPU.")
+    parser.add_argument("--scale-ranks", default=",".join(map(str, scale.RANKS)),
+                        help="the scale section's world sizes, comma-separated (default: %(default)s)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated sections to run, from {', '.join(SECTIONS)} (default: all)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
@@ -206,6 +210,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         section = resume.run()
         report["sections"]["resume"] = section
         print("\n" + resume.resume_table(section), flush=True)
+    if "scale" in args.sections:
+        section = scale.run(tuple(int(n) for n in args.scale_ranks.split(",")))
+        report["sections"]["scale"] = section
+        print("\n" + scale.scale_table(section), flush=True)
     return report
 
 

@@ -55,8 +55,9 @@ def published_failure(store: dist.Store | None) -> dict[str, Any] | None:
     if store is None:
         return None
     try:
-        if store.check([FAILURE_KEY]):
-            return json.loads(store.get(FAILURE_KEY))
+        # The key exists empty from the first heartbeat on (heartbeat.py): no failure yet.
+        if store.check([FAILURE_KEY]) and (raw := store.get(FAILURE_KEY)):
+            return json.loads(raw)
     except Exception:  # noqa: BLE001 - a dead store tells nothing
         return None
     return None

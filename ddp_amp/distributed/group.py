@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,8 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ddp_amp.distributed.device import DeviceChoice, resolve_device
 from ddp_amp.distributed.launcher import check_launcher_store
-from ddp_amp.distributed.liveness import Progress
-from ddp_amp.distributed.watch import stop_watches
+from ddp_amp.distributed.liveness import Progress, remember_prefix
+from ddp_amp.distributed.watch import start_heart, stop_watches
 from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
 
@@ -122,12 +123,30 @@ def _open_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     is_server = env.rank == 0 and not env.agent_hosts_store
     # Every rank passes wait_for_workers=True: that is what registers a client with the
     # server's worker count (the server alone then blocks until all have joined).
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_server,
-                          timeout=timeout, wait_for_workers=True)
+    try:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_server,
+                              timeout=timeout, wait_for_workers=True)
+    except (dist.DistStoreError, dist.DistNetworkError) as error:
+        raise _late(env, timeout, error) from None
     # After a torchrun restart the agent's store still holds the keys of the failed
     # attempt; re-forming gloo on them failed or hung in 5 of 8 tries, and a fresh prefix
     # per attempt gave each attempt clean keys: 8 of 8 (docs/facts.md, torchrun restarts).
-    return dist.PrefixStore(f"ddp_amp/attempt_{env.restart_count}", store)
+    prefix = f"ddp_amp/attempt_{env.restart_count}"
+    prefixed = dist.PrefixStore(prefix, store)
+    remember_prefix(prefixed, prefix)
+    return prefixed
+
+
+def _late(env: DistEnv, timeout: timedelta, error: Exception) -> UsageError:
+    """The one line for ranks that did not all reach the rendezvous within the timeout."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    who = (f"{joined.group(1)} of {joined.group(2)} ranks joined" if joined
+           else f"rank {env.rank} could not reach the store at {env.master_addr}:{env.master_port}")
+    return UsageError("--dist-timeout", f"{timeout.total_seconds():g}",
+                      f"every rank at the rendezvous within it ({who}: {text})",
+                      "a rank started late or not at all (a slow node, a slow shared file system, a "
+                      "failed start on another node): look at the missing ranks' output, or raise --dist-timeout")
 
 
 def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: BackendChoice = "auto",
@@ -150,8 +169,14 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
     timeout = timedelta(seconds=timeout_s)
     # A group of one needs no rendezvous: an in-memory store, no port to claim.
     store = _open_store(env, timeout) if env.is_distributed else dist.HashStore()
-    dist.init_process_group(chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    try:
+        dist.init_process_group(chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    except (dist.DistStoreError, dist.DistNetworkError) as error:
+        raise _late(env, timeout, error) from None
     log.debug("rank %d joined %s group of %d", env.rank, chosen, env.world_size)
+    # Every rank beats from here on, in a process of its own (heartbeat.py): a rank's loop
+    # may start much later (its data loads), and its silence clock starts at its first beat.
+    start_heart(store if env.is_distributed else None, env)
     # The group is formed on our own store first (a per-attempt prefix, above); the mesh
     # then lays the ranks out on it.
     return DistContext(env, torch_device, chosen, store if env.is_distributed else None,

@@ -5,11 +5,18 @@ count that changes each time, the last step the training loop finished (`Progres
 an int the loop sets once per step and the thread reads: the loop itself never touches
 the store), whether this rank's last collective failed, and what identifies its process.
 
+The beats are written by each rank's heartbeat helper (heartbeat.py), a process that beats
+while the rank's process runs, whatever its threads do; they are read in batches by the
+judges (ranks 0 and 1), never by every rank: the store's work per poll grows with the
+number of ranks, not with its square.
+
 A peer has *gone silent* when
 - it runs on this machine (same boot and pid namespace) and its process is gone, a
   zombie, or its pid now belongs to a newer process: known at the next poll;
-- or its heartbeat has not changed for `SILENCE_S`: a process killed on another node, a
-  node lost, a process stopped (SIGSTOP).
+- or its heartbeat has not changed for `SILENCE_S` since it was first seen: a process
+  killed on another node, a node lost, a process stopped (SIGSTOP);
+- or it has not beaten at all `STARTUP_S` after the judge started (its clock starts at its
+  first beat: ranks that reach their loop at different times are not silent).
 A peer has *stopped making progress* when this rank's collective timed out and the peer
 is alive (its heartbeat goes on) but no collective of its own failed: it never joined.
 A rank that finished its run says so in its last heartbeat (DONE) before it exits: the
@@ -25,12 +32,21 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ddp_amp.distributed.store_wire import WireClient
+
 # A heartbeat unchanged this long means its process is gone. Well above any pause of a
 # live process's watch thread (it needs the GIL for a moment every poll), well under the
 # 30 s a launcher waits between its SIGTERM and its SIGKILL.
 SILENCE_S = 10.0
+POLL_S = 0.5
+# A rank that never beat this long after the judge started is named: each rank's helper
+# starts as the group forms, so only a rank that died before, or cannot start a process, is.
+STARTUP_S = 60.0
 BEAT_KEY = "ddp_amp/beat/"
-RUNNING, FAILED, DONE = "r", "f", "d"
+# TIMED_OUT: its collective timed out; FAILED: its collective failed as a peer's connection ended.
+RUNNING, FAILED, TIMED_OUT, DONE = "r", "f", "t", "d"
+BATCH = 100  # beats per multi_get: the libuv server re-parses a pending request per 4 KB read
+_PREFIXES: dict[int, str] = {}  # id of a PrefixStore made by group.py -> its prefix
 
 # Words of a collective that failed because a peer's connection ended, or timed out
 # (gloo: "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer", "Connection reset
@@ -97,9 +113,10 @@ def this_machine() -> str:
         return ""
 
 
-def own_beat(count: int, step: int | None, state: str, machine: str) -> Beat:
+def identity(machine: str) -> str:
+    """'pid started machine' of this process, as its beats carry them (Beat's last fields)."""
     fields = _stat_fields("self")
-    return Beat(count, step, state, os.getpid(), fields[19] if fields else "", machine)
+    return f"{os.getpid()} {(fields[19] if fields else '') or '-'} {machine or '-'}"
 
 
 def process_gone(beat: Beat, machine: str) -> bool:
@@ -111,49 +128,72 @@ def process_gone(beat: Beat, machine: str) -> bool:
     return fields is None or fields[0] in ("Z", "X") or fields[19] != beat.started
 
 
-def publish_beat(store: dist.Store, rank: int, beat: Beat) -> None:
-    store.set(f"{BEAT_KEY}{rank}", beat.encode())
+def remember_prefix(store: dist.PrefixStore, prefix: str) -> None:
+    """Note the prefix of a store group.py made: the helper and the judge speak to the
+    TCPStore under it directly (torch's PrefixStore does not tell its prefix)."""
+    _PREFIXES[id(store)] = prefix
 
 
-def read_beats(store: dist.Store, ranks: list[int]) -> dict[int, Beat]:
-    """The heartbeats of `ranks` written so far (a rank not yet started has none)."""
-    keys = [f"{BEAT_KEY}{rank}" for rank in ranks]
-    if not store.check(keys):  # only until every rank has started: a missing key would block a get
-        present = [(rank, key) for rank, key in zip(ranks, keys) if store.check([key])]
-        ranks, keys = [rank for rank, _ in present], [key for _, key in present]
-    if not keys:
-        return {}
-    beats = {rank: Beat.decode(raw) for rank, raw in zip(ranks, store.multi_get(keys))}
-    return {rank: beat for rank, beat in beats.items() if beat is not None}
+def store_route(store: dist.Store | None) -> tuple[str, int, str] | None:
+    """Host, port and key prefix of the TCPStore under `store`; None where not known."""
+    prefix = ""
+    if isinstance(store, dist.PrefixStore):
+        if id(store) not in _PREFIXES:
+            return None
+        prefix, store = _PREFIXES[id(store)], store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return store.host, store.port, prefix
+    return None
+
+
+def read_beats(client: WireClient, ranks: list[int], batch: int = BATCH) -> dict[int, Beat]:
+    """The heartbeats of `ranks` written so far (a rank not yet started has none), in
+    requests of `batch` keys: a cost linear in the number of ranks, on the judge alone."""
+    beats: dict[int, Beat] = {}
+    for start in range(0, len(ranks), batch):
+        chunk = ranks[start:start + batch]
+        for rank, raw in zip(chunk, client.multi_get([f"{BEAT_KEY}{rank}" for rank in chunk])):
+            beat = Beat.decode(raw) if raw else None
+            if beat is not None:
+                beats[rank] = beat
+    return beats
 
 
 class PeerTracker:
-    """The peers' heartbeats as this rank saw them, and since when each has not changed."""
+    """Every rank's heartbeat as a judge saw it, and since when each has not changed."""
 
-    def __init__(self, rank: int, world_size: int, now: float, silence_s: float = SILENCE_S) -> None:
-        self.peers = [r for r in range(world_size) if r != rank]
-        self.silence_s = silence_s
+    def __init__(self, rank: int, world_size: int, now: float, silence_s: float = SILENCE_S,
+                 startup_s: float = STARTUP_S) -> None:
+        self.ranks = list(range(world_size))
+        self.peers = [r for r in self.ranks if r != rank]
+        self.silence_s, self.startup_s, self.started = silence_s, startup_s, now
         self.machine = this_machine()
         self.beats: dict[int, Beat] = {}
-        self.changed = dict.fromkeys(self.peers, now)  # a peer never seen counts from the start
+        self.changed: dict[int, float] = {}  # a rank's silence clock starts at its first beat
+        self.timed_out_since: float | None = None  # when a rank first said its collective timed out
 
     def update(self, beats: dict[int, Beat], now: float) -> None:
         for rank, beat in beats.items():
             if self.beats.get(rank) != beat:
                 self.beats[rank], self.changed[rank] = beat, now
+            if beat.state == TIMED_OUT and self.timed_out_since is None:
+                self.timed_out_since = now
 
     def gone(self, now: float) -> list[int]:
         """The peers whose process ended (this machine) or whose heartbeat stopped, unless
         they said they were done (a rank that finished its run exits before the others)."""
         return [r for r in self.peers if self._state(r) != DONE and (
-            now - self.changed[r] > self.silence_s
+            (r not in self.changed and now - self.started > self.startup_s)
+            or (r in self.changed and now - self.changed[r] > self.silence_s)
             or (r in self.beats and process_gone(self.beats[r], self.machine)))]
 
-    def not_joined(self, now: float) -> list[int]:
-        """The live peers still running whose collectives did not fail: they never joined
-        the one that failed here."""
+    def not_joined(self, now: float, settle_s: float) -> list[int]:
+        """Once a rank's collective timed out `settle_s` ago: the live ranks still running
+        whose collectives did not fail. They never joined the one that timed out."""
+        if self.timed_out_since is None or now - self.timed_out_since < settle_s:
+            return []
         gone = set(self.gone(now))
-        return [r for r in self.peers if r not in gone and self._state(r) == RUNNING]
+        return [r for r in self.ranks if r not in gone and self._state(r) == RUNNING]
 
     def _state(self, rank: int) -> str | None:
         beat = self.beats.get(rank)

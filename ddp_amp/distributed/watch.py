@@ -1,15 +1,20 @@
 """`PeerWatch`: one thread per rank that ends the process when the job cannot go on.
 
-Twice a second, on its own connection to the group's store (a short timeout, so a store
-that stopped answering cannot block it), the thread
+Every poll (`--watch-poll`, 0.5 s), the thread
 1. checks the launcher (launcher.py): once this worker's launcher is gone, it stops with
    one line: where it stopped and the last committed checkpoint (`--resume auto` goes on
    from there); the run lock goes with the process;
-2. writes this rank's heartbeat (liveness.py) and ends this process quietly once another
-   rank published a failure (failure.py), as before;
-3. reads the peers' heartbeats: a peer gone silent (its process ended without an error of
-   its own, or its heartbeat stopped), or, after this rank's collective timed out, a live
-   peer that never joined it, is named in one line for the job and every rank stops.
+2. tells the rank's heartbeat helper (heartbeat.py) its step and state, and reads its news:
+   another rank's failure (failure.py) ends this process quietly; a store that refuses
+   connections while its host had not finished ends it with one line (a store hosted by
+   rank 0 under plain srun goes with rank 0: the others must not be stranded);
+3. on a judge (ranks 0 and 1), reads every rank's beat in batches: a rank gone silent (its
+   process ended without an error of its own, or its heartbeat stopped), or, once a rank's
+   collective timed out, a live rank that never joined it, is named in one line for the
+   job, and the failure published ends every rank.
+Per rank and poll that is two store requests of constant size, made by the helper; the
+judges' reads grow linearly with the number of ranks. Two judges: one stopped, or hung with
+the GIL held, does not leave the job unwatched.
 
 The training loop only sets `Progress.step`; the main thread calls `explain` when one of
 its collectives failed, so that the line names the silent rank instead of gloo's text.
@@ -30,39 +35,43 @@ import sys
 import threading
 import time
 import traceback
-from datetime import timedelta
 
 import torch.distributed as dist
 
-from ddp_amp.distributed.failure import EXIT_PEER_FAILED, FAILURE_KEY, claim_failure
+from ddp_amp.distributed.failure import EXIT_PEER_FAILED, FAILURE_KEY
+from ddp_amp.distributed.heartbeat import Heart
 from ddp_amp.distributed.launcher import LauncherCheck
-from ddp_amp.distributed.liveness import (DONE, FAILED, RUNNING, SILENCE_S, PeerTracker, Progress,
-                                          collective_failure, own_beat, publish_beat, read_beats, silent_line)
+from ddp_amp.distributed.liveness import (BEAT_KEY, DONE, FAILED, POLL_S, RUNNING, SILENCE_S, STARTUP_S, TIMED_OUT,
+                                          PeerTracker, Progress, collective_failure, identity, read_beats,
+                                          silent_line, store_route, this_machine)
+from ddp_amp.distributed.store_wire import WireClient
 from ddp_amp.env import DistEnv
 
-STORE_TIMEOUT_S = 5.0  # the watch's own store calls: a live store answers in milliseconds
-STORE_DOWN_POLLS = 3  # consecutive polls the store's server refused connections: it is gone
 SETTLE_S = 2.0  # after a collective timed out, how long the other ranks get to say theirs did too
 # torchrun looks at its workers every 0.1 s (--monitor-interval) and names the first it saw
 # fail as the root cause: a survivor that ended at once would take the dead rank's place.
 LAUNCHER_SEES_S = 1.0
+JUDGES = (0, 1)
 
 
 class PeerWatch:
     """A daemon thread watching the launcher and the peers; see the module docstring."""
 
     def __init__(self, store: dist.Store | None, env: DistEnv, progress: Progress | None = None,
-                 interval_s: float = 0.5, silence_s: float = SILENCE_S) -> None:
+                 interval_s: float = POLL_S, silence_s: float = SILENCE_S, startup_s: float = STARTUP_S) -> None:
         self.store = store if env.world_size > 1 else None
+        self.env = env
         self.rank, self.local_rank, self.world_size = env.rank, env.local_rank, env.world_size
         self.progress = progress if progress is not None else Progress()
         self.interval_s, self.silence_s = interval_s, silence_s
         self.launcher = LauncherCheck(env, self.store)
-        self.tracker = PeerTracker(self.rank, self.world_size, time.monotonic(), silence_s)
-        self._client: dist.Store | None = None  # None while the store is not answering
+        self.route = store_route(self.store)
+        self.judge = self.rank in JUDGES and self.route is not None
+        self.tracker = PeerTracker(self.rank, self.world_size, time.monotonic(), silence_s, startup_s)
+        self.heart: Heart | None = None
+        self._wire: WireClient | None = None  # the judge's connection; None while not answering
         self._failed: tuple[str, float] | None = None  # this rank's collective failed: kind, when
-        self._count = 0
-        self._store_down = 0
+        self._host_done = False
         self._store_lost = False
         self._wake = threading.Event()
         self._stopping = False
@@ -72,7 +81,8 @@ class PeerWatch:
     def start(self) -> PeerWatch:
         if self.store is None and self.launcher.parent_pid is None:
             return self  # a single process of its own: nothing to watch
-        self._client = _own_connection(self.store) if self.store is not None else None
+        if self.route is not None:
+            self.heart = start_heart(self.store, self.env, self.interval_s)
         self._thread = threading.Thread(target=self._watch, name="ddp_amp-peer-watch", daemon=True)
         self._thread.start()
         _RUNNING.add(self)
@@ -85,18 +95,18 @@ class PeerWatch:
         _RUNNING.discard(self)
         if self._thread is None:
             return
-        self._stopping = True
+        self._stopping, self.heart = True, None  # its helper is not started again once stopped
         self._wake.set()
         self._thread.join()
         self._thread = None
-        if done and self._client is not None:
-            with contextlib.suppress(Exception):  # a store that is gone: the run is over anyway
-                self._beat(self._client, DONE)
+        stop_heart(self.rank, self.progress.step, done)
+        if self._wire is not None:
+            self._wire.close()
 
     def explain(self, error: BaseException, show_error: bool = False) -> None:
         """After a collective of this rank failed (a peer's connection ended, or it timed
-        out): wait until the watch names the silent peers (it prints the line for the job
-        and ends this process), or until it is clear that no peer is silent (then return).
+        out): wait until a judge names the silent peers (the failure it publishes ends this
+        process), or until it is clear that no peer is silent (then return).
 
         `show_error`: print the error's traceback first (--debug). Other errors return at once.
         """
@@ -107,7 +117,7 @@ class PeerWatch:
             traceback.print_exception(error, file=sys.stderr)
         self._failed = (kind, time.monotonic())
         self._wake.set()
-        self._gave_up.wait(self.silence_s + SETTLE_S + 4 * self.interval_s)
+        self._gave_up.wait(self.silence_s + SETTLE_S + 6 * self.interval_s)
 
     # -- the thread ---------------------------------------------------------------------
 
@@ -120,66 +130,70 @@ class PeerWatch:
     def _poll(self, now: float) -> None:
         if self.launcher.parent_gone():  # first: it needs no store, which may have gone with it
             self._stop_orphaned(self.launcher.describe_parent(), prints=self.local_rank == 0)
-        if self.store is None or self._store_lost:
-            if self._store_lost and self._failed is not None:
-                self._store_host_gone()
+        heart = self.heart
+        if heart is None:
             return
-        if self._client is None:
-            self._reconnect()
-        client = self._client
-        if client is None:  # not reconnected
-            return
-        try:
-            self._exchange(client, now)
-        except Exception:  # noqa: BLE001 - a store that stopped answering: probe it quietly from now on
-            self._client = None
-            self._reconnect()
-
-    def _beat(self, client: dist.Store, state: str) -> None:
-        publish_beat(client, self.rank,
-                     own_beat(self._count, self.progress.step, state, self.tracker.machine))
-        self._count += 1
-
-    def _exchange(self, client: dist.Store, now: float) -> None:
-        self._beat(client, RUNNING if self._failed is None else FAILED)
-        if client.check([FAILURE_KEY]) and json.loads(client.get(FAILURE_KEY)).get("rank") != self.rank:
-            _exit()  # another rank failed and said so
-        self.tracker.update(read_beats(client, self.tracker.peers), now)
-        gone = self.tracker.gone(now)
-        if gone:  # read again after seeing them gone: one that finished said so before it exited
-            self.tracker.update(read_beats(client, gone), now)
-            gone = self.tracker.gone(now)
-        stalled: list[int] = []
-        if self._failed is not None and self._failed[0] == "timeout" and now - self._failed[1] >= SETTLE_S:
-            stalled = self.tracker.not_joined(now)
-        if gone or stalled:
-            line = silent_line(gone, stalled, self._steps())
-            if claim_failure(client, self.rank, line):  # of several ranks that see it, one prints
-                _say(line)
-                if gone:  # let the launcher see the dead rank end first: it is the root cause
-                    time.sleep(LAUNCHER_SEES_S)
-            _exit()
-        if self._failed is not None and now - self._failed[1] > self.silence_s + SETTLE_S:
+        if not self._store_lost:
+            heart.ensure_running()
+        heart.tell(self.progress.step, self._state())
+        for news in heart.news():
+            self._hear(news)
+        if self.judge and not self._store_lost:
+            self._judge(now)
+        if self._failed is not None and now - self._failed[1] > self.silence_s + SETTLE_S + 4 * self.interval_s:
             self._gave_up.set()  # no peer is silent: the error is the main thread's to report
 
-    def _reconnect(self) -> bool:
-        """After a failed store call: a new connection where the server still listens. Where
-        it refused connections for STORE_DOWN_POLLS polls, its host is gone: a launcher that
-        hosted it ends this worker; rank 0 that hosted it (srun) is named once a collective
-        fails here (a finished rank 0 exits before the others: no reason to stop then)."""
-        if self.store is not None and self.launcher.store_answers() is not False:
-            try:
-                self._client = _own_connection(self.store)
-                self._store_down = 0
-                return True
-            except Exception:  # noqa: BLE001 - counted below
-                pass
-        self._store_down += 1
-        if self._store_down >= STORE_DOWN_POLLS:
+    def _state(self) -> str:
+        if self._failed is None:
+            return RUNNING
+        return TIMED_OUT if self._failed[0] == "timeout" else FAILED
+
+    def _hear(self, news: str) -> None:
+        """A line of the helper's: F <failure>, H (the store's host finished), L (store lost)."""
+        if news.startswith("F "):
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                if int(json.loads(news[2:])["rank"]) == self.rank:
+                    return  # this rank's own failure: its main thread reports it
+            _exit()  # another rank failed and said so
+        elif news == "H":
+            self._host_done = True
+        elif news == "L":
+            self._store_lost = True
             if self.launcher.store_by_launcher:  # each node's first worker says it for its node
                 self._stop_orphaned(self.launcher.describe_store(), prints=self.local_rank == 0)
-            self._store_lost = True
-        return False
+            elif self._failed is not None:
+                self._store_host_gone()
+            elif not self._host_done:  # rank 0 left without finishing: nothing can go on
+                first_left = self.local_rank == 0 or (self.env.node_rank == 0 and self.local_rank == 1)
+                self._stop_orphaned(self.launcher.describe_store(), prints=first_left)
+
+    def _judge(self, now: float) -> None:
+        if self._wire is None:
+            try:
+                host, port, prefix = self.route  # type: ignore[misc]  # judge implies a route
+                self._wire = WireClient(host, port, prefix)
+            except OSError:
+                return
+        try:
+            self.tracker.update(read_beats(self._wire, self.tracker.ranks), now)
+            gone = self.tracker.gone(now)
+            if gone:  # read again after seeing them gone: one that finished said so before it exited
+                self.tracker.update(read_beats(self._wire, gone), now)
+                gone = self.tracker.gone(now)
+            stalled = [r for r in self.tracker.not_joined(now, SETTLE_S) if r not in gone]
+            if not gone and not stalled:
+                return
+            line = silent_line(gone, stalled, self._steps())
+            value = json.dumps({"rank": self.rank, "message": line}).encode()
+            claimed = self._wire.compare_set(FAILURE_KEY, b"", value) == value
+        except OSError:  # the store is busy or gone: the helper tells which
+            self._wire = None
+            return
+        if claimed:  # of the judges that see it, one prints
+            _say(line)
+            if gone:  # let the launcher see the dead rank end first: it is the root cause
+                time.sleep(LAUNCHER_SEES_S)
+        _exit()
 
     def _store_host_gone(self) -> None:
         """A collective failed here after rank 0's store went away with rank 0's process."""
@@ -203,12 +217,42 @@ class PeerWatch:
 
 
 _RUNNING: set[PeerWatch] = set()  # the watches this process started and has not stopped
+_HEARTS: dict[int, Heart] = {}  # this process's heartbeat helper, by rank
+
+
+def start_heart(store: dist.Store | None, env: DistEnv, interval_s: float = POLL_S) -> Heart | None:
+    """Start this rank's heartbeat helper (as the group forms: a rank's silence clock starts
+    at its first beat), or return the one running at this interval."""
+    route = store_route(store) if env.world_size > 1 else None
+    if route is None:
+        return None
+    heart = _HEARTS.get(env.rank)
+    if heart is not None and heart.interval_s == interval_s:
+        return heart
+    if heart is not None:
+        heart.stop(None, None)
+    host, port, prefix = route
+    is_host = env.rank == 0 and not env.agent_hosts_store
+    who = identity(this_machine())
+    if store is not None and heart is None:  # the first beat now: a rank that ends before its
+        store.set(f"{BEAT_KEY}{env.rank}", f"0 - {RUNNING} {who}")  # helper runs is still known
+    _HEARTS[env.rank] = Heart((host, port), prefix, env.rank, interval_s, is_host, who)
+    return _HEARTS[env.rank]
+
+
+def stop_heart(rank: int, step: int | None, done: bool) -> None:
+    heart = _HEARTS.pop(rank, None)
+    if heart is not None:
+        heart.stop(step, DONE if done else None)
 
 
 def stop_watches(finished: bool = True) -> None:
-    """Stop every watch of this process; `finished`: each says DONE (see `PeerWatch.stop`)."""
+    """Stop every watch of this process, and its helpers; `finished`: each says DONE (see
+    `PeerWatch.stop`)."""
     for watch in list(_RUNNING):
         watch.stop(done=finished)
+    for rank in list(_HEARTS):
+        stop_heart(rank, None, finished)
 
 
 def _stop_watches_at_exit() -> None:
@@ -218,17 +262,6 @@ def _stop_watches_at_exit() -> None:
 
 
 atexit.register(_stop_watches_at_exit)
-
-
-def _own_connection(store: dist.Store) -> dist.Store:
-    """A second client of the group's store with a short timeout; the store itself where it
-    cannot be cloned (a store made by someone else)."""
-    try:
-        client = store.clone()  # type: ignore[attr-defined]  # Store.clone is missing from torch's stubs
-    except (RuntimeError, AttributeError):
-        return store
-    client.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
-    return client
 
 
 def _say(line: str) -> None:
