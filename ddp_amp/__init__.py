@@ -21,7 +21,7 @@ _PUBLIC = {
     "AgreedGradScaler": "ddp_amp.amp", "AutocastModule": "ddp_amp.amp", "Precision": "ddp_amp.amp",
     "StepResult": "ddp_amp.amp", "resolve_precision": "ddp_amp.amp", "unwrap_model": "ddp_amp.amp",
     "TrainConfig": "ddp_amp.config",
-    "DistContext": "ddp_amp.distributed", "distributed": "ddp_amp.distributed",
+    "DistContext": "ddp_amp.distributed", "Liveness": "ddp_amp.distributed", "distributed": "ddp_amp.distributed",
     "init_distributed": "ddp_amp.distributed", "shutdown_distributed": "ddp_amp.distributed",
     "ShardOptions": "ddp_amp.parallel",
     "DistEnv": "ddp_amp.env", "detect_env": "ddp_amp.env",
@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, importe
     from ddp_amp.amp import unwrap_model as unwrap_model
     from ddp_amp.config import TrainConfig as TrainConfig
     from ddp_amp.distributed import DistContext as DistContext
+    from ddp_amp.distributed import Liveness as Liveness
     from ddp_amp.distributed import distributed as distributed
     from ddp_amp.distributed import init_distributed as init_distributed
     from ddp_amp.distributed import shutdown_distributed as shutdown_distributed

@@ -248,3 +248,55 @@ def test_the_line_lists_ranks_and_steps_compactly() -> None:
     assert line.startswith("ddp_amp: ranks 3-4 went silent (last heard at steps 11 (rank 3), none yet (rank 4)): "
                            "their processes ended")
     assert line.endswith("; the other ranks reached step 12")
+
+
+def test_a_rank_holding_the_gil_past_the_silence_limit_is_not_named(tmp_path: Path) -> None:
+    """Rank 1 spends three silence limits in one C call that keeps the GIL: every thread of
+    its process pauses, its heartbeat helper (a process of its own) beats on, and the run
+    finishes with no rank named."""
+    done = run_train([*CKPT[:-2], "--max-steps", "10", "--run-dir", str(tmp_path), "--task-opt", "gil_at=5",
+                      "--task-opt", "gil_s=6", "--task-opt", "kill_rank=1", "--peer-poll", "0.2",
+                      "--peer-silence", "2"], nproc=2, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "went silent" not in output and "made no progress" not in output, output[-3000:]
+    summary = re.search(r"summary: .*steps_taken=10 .*wall_s=([\d.]+)", output)
+    assert summary and float(summary.group(1)) >= 6, output[-3000:]  # the 6 s with the GIL held are in it
+
+
+def test_a_rank_hung_with_the_gil_held_ends_when_the_store_host_leaves_first(tmp_path: Path) -> None:
+    """No launcher to end what is left (a plain `srun` without --kill-on-bad-exit, or
+    hand-made env:// ranks): rank 1 hangs in one C call that keeps the GIL, so none of its
+    threads can run. Rank 0, which hosts the store, names it and exits; rank 1's heartbeat
+    helper ends rank 1 (SIGKILL), so the job does not wait for its time limit."""
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        env = cli_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-m", "ddp_amp.train", *CKPT, "--run-dir", str(tmp_path),
+                                       "--task-opt", "gil_at=5", "--task-opt", "kill_rank=1", "--dist-timeout", "5"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                      cwd=REPO_ROOT))
+    outputs = [Output(proc) for proc in procs]
+    try:
+        codes = [proc.wait(180) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert codes[1] == -signal.SIGKILL, outputs[1].text()[-3000:]
+    assert codes[0] != 0
+    assert outputs[0].ours() == ["ddp_amp: rank 1 made no progress since step 5: alive, but never joined the "
+                                 "collective that timed out (--dist-timeout) on the others (a hang in its own code "
+                                 "or I/O: data loading, a file system, a deadlock); the other ranks reached step 5"], \
+        outputs[0].text()[-3000:]
+
+
+def test_a_silence_limit_shorter_than_four_polls_is_refused_in_one_line(tmp_path: Path) -> None:
+    done = run_train([*MLP, "--max-steps", "1", "--run-dir", str(tmp_path), "--peer-poll", "1",
+                      "--peer-silence", "2"])
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--peer-silence=2.0: expected at least 4 polls (4 s at --peer-poll 1)" in lines[0] \
+        and "lower --peer-poll" in lines[0], done.stderr
+    assert not any(tmp_path.iterdir())  # refused before anything was written

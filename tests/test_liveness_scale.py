@@ -17,13 +17,13 @@ from ddp_amp.distributed import init_distributed
 from ddp_amp.distributed.store_wire import WireClient
 from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
-from tests.multiproc import free_port
 from ddp_amp.distributed.spawn import run_ranks
+from tests.multiproc import free_port
 
 SPREAD_S = 30.0
 
 
-def _late_loop(ctx: object, world_size: int) -> tuple[int, float]:
+def _late_loop(ctx: object, world_size: int) -> tuple[int, float, bool]:
     """A user's loop whose data takes a different time to load on each rank, after the group
     formed: the Sessions start up to SPREAD_S apart, then train a few steps together."""
     from ddp_amp.distributed import DistContext
@@ -31,6 +31,8 @@ def _late_loop(ctx: object, world_size: int) -> tuple[int, float]:
     assert isinstance(ctx, DistContext)
     time.sleep(SPREAD_S * ctx.rank / (world_size - 1))
     with Session("fp32", "cpu") as session:
+        watch = session._watch  # the test's own look: this rank beats, and ranks 0 and 1 judge
+        watched = watch is not None and watch.heart is not None and watch.judge == (ctx.rank in (0, 1))
         torch.manual_seed(0)
         model = session.setup(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -39,12 +41,13 @@ def _late_loop(ctx: object, world_size: int) -> tuple[int, float]:
             session.backward(loss)
             session.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
-    return ctx.rank, float(loss)
+    return ctx.rank, float(loss), watched
 
 
 def test_eight_ranks_whose_sessions_start_30_s_apart_complete_and_none_is_named() -> None:
     results = run_ranks(_late_loop, 8, 8, timeout=300)
-    assert [rank for rank, _ in results] == list(range(8))  # every rank finished; none was ended
+    assert [rank for rank, _, _ in results] == list(range(8))  # every rank finished; none was ended
+    assert all(watched for _, _, watched in results)  # and each was watched all along
 
 
 def test_a_rank_late_past_the_timeout_at_the_rendezvous_is_one_line() -> None:

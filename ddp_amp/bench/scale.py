@@ -109,7 +109,7 @@ def _one(ranks: int) -> dict[str, Any]:
         for judge in judges:  # a judge's thread may sleep in `caught`: not joined, and no helper restarted
             judge._stopping, judge.heart = True, None
         for rank in (0, 1):
-            watch.stop_heart(rank, None, False)
+            watch.stop_heart(rank, False)
         judge_requests = 2 * -(-ranks // 100) / POLL_S  # two judges, batches of 100 beats per poll
         false_names = sorted(_named(lines) - {dead})
         share = (cpu1 - cpu0) / (t1 - t0)

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ddp_amp.distributed.device import DeviceChoice, resolve_device
 from ddp_amp.distributed.launcher import check_launcher_store
-from ddp_amp.distributed.liveness import Progress, remember_prefix
+from ddp_amp.distributed.liveness import Liveness, Progress, remember_prefix
 from ddp_amp.distributed.watch import start_heart, stop_watches
 from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
@@ -48,6 +48,8 @@ class DistContext:
     # The ranks laid out by what they do: one data-parallel dimension ("dp") today; a
     # replicate x shard or a tensor-parallel dimension is one more name. None without a group.
     mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    # How often the ranks beat and how long one may be silent: the same on every rank.
+    liveness: Liveness = field(default_factory=Liveness, compare=False)
 
     @property
     def rank(self) -> int:
@@ -150,22 +152,30 @@ def _late(env: DistEnv, timeout: timedelta, error: Exception) -> UsageError:
 
 
 def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: BackendChoice = "auto",
-                     timeout_s: float = 600.0, group_of_one: bool = False) -> DistContext:
-    """Choose the device and join the process group (collective).
+                     timeout_s: float = 600.0, group_of_one: bool = False,
+                     liveness: Liveness | None = None) -> DistContext:
+    """Choose the device and join the process group (collective); each rank's heartbeat
+    starts with it, at `liveness`'s poll (the defaults where None).
 
     A world of one joins none, unless a backend is named or `group_of_one` asks for one (a
     sharded model needs a group): then it forms a group of one, so that the DDP or FSDP path
     runs and can be checked on one GPU.
     """
+    global _OUR_GROUP
+    liveness = liveness if liveness is not None else Liveness()
+    liveness.check()
     torch_device = resolve_device(device, env, backend)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
     if not env.is_distributed and backend == "auto" and not group_of_one:
-        return DistContext(env, torch_device, None)
+        return DistContext(env, torch_device, None, liveness=liveness)
     chosen = resolve_backend(backend, torch_device)
-    if dist.is_initialized():  # idempotent: a user's script may have joined already
-        return DistContext(env, torch_device, dist.get_backend(), _default_store(),
-                           mesh=build_mesh(torch_device, dist.get_world_size()))
+    if dist.is_initialized():  # idempotent: a user's script, or a caller of ours, may have joined already
+        # The group's store and progress as we made them (the heartbeat helper follows that
+        # progress); torch's default store wraps ours in a prefix of its own.
+        store, progress = _OUR_GROUP if _OUR_GROUP is not None else (_default_store(), Progress())
+        return DistContext(env, torch_device, dist.get_backend(), store, progress,
+                           mesh=build_mesh(torch_device, dist.get_world_size()), liveness=liveness)
     timeout = timedelta(seconds=timeout_s)
     # A group of one needs no rendezvous: an in-memory store, no port to claim.
     store = _open_store(env, timeout) if env.is_distributed else dist.HashStore()
@@ -176,11 +186,19 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
     log.debug("rank %d joined %s group of %d", env.rank, chosen, env.world_size)
     # Every rank beats from here on, in a process of its own (heartbeat.py): a rank's loop
     # may start much later (its data loads), and its silence clock starts at its first beat.
-    start_heart(store if env.is_distributed else None, env)
+    progress = Progress()
+    _OUR_GROUP = (store if env.is_distributed else None), progress
+    start_heart(store if env.is_distributed else None, env, liveness.poll_s, progress)
     # The group is formed on our own store first (a per-attempt prefix, above); the mesh
     # then lays the ranks out on it.
-    return DistContext(env, torch_device, chosen, store if env.is_distributed else None,
-                       mesh=build_mesh(torch_device, env.world_size))
+    return DistContext(env, torch_device, chosen, store if env.is_distributed else None, progress,
+                       mesh=build_mesh(torch_device, env.world_size), liveness=liveness)
+
+
+# The store (None for a group of one) and progress of the group init_distributed formed,
+# while it lasts: a later init_distributed in the process (a Session inside a group of ours)
+# shares them.
+_OUR_GROUP: tuple[dist.Store | None, Progress] | None = None
 
 
 def _default_store() -> dist.Store | None:
@@ -200,8 +218,10 @@ def shutdown_distributed(finished: bool = True) -> None:
     failure watches still running stop first; `finished` (False where this process leaves
     because it failed): they tell the peers this rank is done, not silent (watch.py).
     """
+    global _OUR_GROUP
     stop_watches(finished)
     gc.collect()
+    _OUR_GROUP = None
     if dist.is_initialized():
         dist.destroy_process_group()
 

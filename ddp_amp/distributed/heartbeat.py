@@ -7,8 +7,10 @@ and its peers would take a live rank for a dead one. So each rank starts this he
 1. looks at its parent's /proc state: gone or a zombie, it exits (the beats stop, the rank
    is named); stopped (SIGSTOP), it skips the beat (a stopped rank is a silent one); running
    or blocked, it beats, whatever the parent's threads are doing;
-2. writes the beat (one `set` of O(1) size) with the step and state the rank last told it
-   (a line on its stdin, written by the rank's watch thread);
+2. writes the beat (one `set` of O(1) size) with the rank's last finished step, read from a
+   page both processes map (the training loop writes it as it sets `Progress.step`: no
+   thread of the rank needs to run), and the state the rank last told it (a line on its
+   stdin, written by the rank's watch thread);
 3. reads the job's verdict (one `multi_get` of two keys: the failure, and whether the store's
    host finished) and passes news to the rank on its stdout: `F <failure>`, `H` (the host
    finished: its store going away is no failure), `L` (the store refuses connections: its
@@ -26,11 +28,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import mmap
 import os
 import select
 import signal
+import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +45,7 @@ HOST_DONE_KEY = "ddp_amp/host_done"
 BEAT_KEY = "ddp_amp/beat/"
 KILL_GRACE_S = 10.0  # the rank's own watch exits within a poll; longer means it cannot run
 STORE_DOWN_POLLS = 3  # consecutive polls the store refused connections: its host is gone
+STEP_PAGE_BYTES = 8  # the shared page holds one int64: the rank's last finished step
 
 
 def _parent_state(pid: int) -> str | None:
@@ -49,12 +55,21 @@ def _parent_state(pid: int) -> str | None:
         return None
 
 
+def _read_step(page: mmap.mmap) -> str:
+    """The rank's last finished step as the beat carries it ("-": none yet); liveness.py's
+    `write_step` writes it."""
+    step = struct.unpack_from("<q", page, 0)[0]
+    return "-" if step < 0 else str(step)
+
+
 def _helper(host: str, port: int, prefix: str, rank: int, interval_s: float, is_host: bool,
-            parent: int, identity: str) -> None:
-    """The helper's loop (in its own process); `identity`: 'pid started machine' of the rank."""
+            parent: int, step_fd: int, identity: str) -> None:
+    """The helper's loop (in its own process); `identity`: 'pid started machine' of the rank;
+    `step_fd`: the page the rank writes its step to."""
     wire = importlib.import_module("store_wire")  # beside this file: no package, no torch
+    page = mmap.mmap(step_fd, STEP_PAGE_BYTES, prot=mmap.PROT_READ)
     client: Any = None
-    count, step, state, eof, down = 0, "-", "r", False, 0
+    count, state, eof, down = 0, "r", False, 0
     failure_at: float | None = None
     lost_at: float | None = None
     host_done = False
@@ -69,7 +84,7 @@ def _helper(host: str, port: int, prefix: str, rank: int, interval_s: float, is_
             pending += data
             *lines, pending = pending.split(b"\n")
             for line in lines:
-                step, state = line.decode().split()
+                state = line.decode().strip() or state
         try:
             if client is None:
                 client = wire.WireClient(host, port, prefix)
@@ -77,7 +92,7 @@ def _helper(host: str, port: int, prefix: str, rank: int, interval_s: float, is_
                     client.compare_set(key, b"", b"")
                 down = 0
             if parent_state not in ("T", "t"):
-                client.set(f"{BEAT_KEY}{rank}", f"{count} {step} {state} {identity}".encode())
+                client.set(f"{BEAT_KEY}{rank}", f"{count} {_read_step(page)} {state} {identity}".encode())
                 count += 1
             failure, done = client.multi_get([FAILURE_KEY, HOST_DONE_KEY])
             if eof:
@@ -126,20 +141,38 @@ def _tell(news: bytes) -> None:
         os.write(1, news.replace(b"\n", b" ") + b"\n")
 
 
+def _shared_page() -> tuple[int, mmap.mmap]:
+    """A file of STEP_PAGE_BYTES with no name (nothing to clean up after a SIGKILL), mapped
+    here; its descriptor is passed to the helper, which maps it too."""
+    try:
+        fd = os.memfd_create("ddp_amp-step")
+    except (AttributeError, OSError):  # no memfd: an unlinked temporary file is as good
+        with tempfile.TemporaryFile() as handle:
+            fd = os.dup(handle.fileno())
+    os.ftruncate(fd, STEP_PAGE_BYTES)
+    page = mmap.mmap(fd, STEP_PAGE_BYTES)
+    struct.pack_into("<q", page, 0, -1)
+    return fd, page
+
+
 class Heart:
-    """The rank's side of its helper: start it, tell it the step and state, read its news."""
+    """The rank's side of its helper: start it, tell it the state, read its news. The step
+    goes through `page`, which the rank's `Progress` writes to (`Progress.mirror_to`)."""
 
     def __init__(self, address: tuple[str, int], prefix: str, rank: int, interval_s: float, is_host: bool,
                  identity: str) -> None:
+        self._fd, self._map = _shared_page()
+        self.page = memoryview(self._map)
         self.args = [address[0], str(address[1]), prefix, str(rank), str(interval_s), str(int(is_host)),
-                     str(os.getpid()), identity]
+                     str(os.getpid()), str(self._fd), identity]
         self.interval_s = interval_s
         self._pending = b""
         self.proc = self._spawn()
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen([sys.executable, "-E", "-s", __file__, *self.args], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
+                                pass_fds=(self._fd,))
         if proc.stdout is not None:
             os.set_blocking(proc.stdout.fileno(), False)
         return proc
@@ -149,9 +182,9 @@ class Heart:
         if self.proc.poll() is not None:
             self.proc = self._spawn()
 
-    def tell(self, step: int | None, state: str) -> None:
+    def tell(self, state: str) -> None:
         try:
-            self.proc.stdin.write(f"{'-' if step is None else step} {state}\n".encode())  # type: ignore[union-attr]  # a pipe
+            self.proc.stdin.write(f"{state}\n".encode())  # type: ignore[union-attr]  # a pipe
             self.proc.stdin.flush()  # type: ignore[union-attr]  # a pipe
         except (OSError, ValueError):  # it ended: ensure_running starts it again
             pass
@@ -165,22 +198,34 @@ class Heart:
         *lines, self._pending = (self._pending + data).split(b"\n")
         return [line.decode(errors="replace") for line in lines]
 
-    def stop(self, step: int | None, state: str | None) -> None:
+    def stop(self, state: str | None) -> None:
         """End the helper: with a `state`, after its last beat says it (DONE); without, at once
         (a failed rank's beats stop: its peers are right to name it once it is gone)."""
-        if state is not None and self.proc.poll() is None:
-            self.tell(step, state)
-            try:
-                self.proc.stdin.close()  # type: ignore[union-attr]  # a pipe: EOF makes its last beat
-                self.proc.wait(5 + 2 * self.interval_s)
-                return
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        self.proc.kill()
-        self.proc.wait()
+        try:
+            if state is not None and self.proc.poll() is None:
+                self.tell(state)
+                try:
+                    self.proc.stdin.close()  # type: ignore[union-attr]  # a pipe: EOF makes its last beat
+                    self.proc.wait(5 + 2 * self.interval_s)
+                    return
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Unmap the page and close its descriptor; a Progress still mirroring to it must have
+        been pointed elsewhere first (`Progress.mirror_to(None)`)."""
+        with contextlib.suppress(BufferError, ValueError):  # still exported: left to the collector
+            self.page.release()
+            self._map.close()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
 
 
 if __name__ == "__main__":
-    _host, _port, _prefix, _rank, _interval, _is_host, _parent, *_identity = sys.argv[1:]
-    _helper(_host, int(_port), _prefix, int(_rank), float(_interval), _is_host == "1", int(_parent),
+    _host, _port, _prefix, _rank, _interval, _is_host, _parent, _step_fd, *_identity = sys.argv[1:]
+    _helper(_host, int(_port), _prefix, int(_rank), float(_interval), _is_host == "1", int(_parent), int(_step_fd),
             " ".join(_identity))

@@ -17,6 +17,7 @@ A peer has *gone silent* when
   killed on another node, a node lost, a process stopped (SIGSTOP);
 - or it has not beaten at all `STARTUP_S` after the judge started (its clock starts at its
   first beat: ranks that reach their loop at different times are not silent).
+The three limits are a run's options (`Liveness`), the same on every rank.
 A peer has *stopped making progress* when this rank's collective timed out and the peer
 is alive (its heartbeat goes on) but no collective of its own failed: it never joined.
 A rank that finished its run says so in its last heartbeat (DONE) before it exits: the
@@ -26,6 +27,7 @@ ranks still finishing do not take its end for silence.
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ddp_amp.distributed.store_wire import WireClient
+from ddp_amp.errors import UsageError
 
 # A heartbeat unchanged this long means its process is gone. Well above any pause of a
 # live process's watch thread (it needs the GIL for a moment every poll), well under the
@@ -57,18 +60,65 @@ _LOST_WORDS = ("connection closed by peer", "connection reset by peer", "broken 
 _TIMEOUT_WORDS = ("timed out", "timeout")
 
 
+@dataclass(frozen=True)
+class Liveness:
+    """How often each rank beats and how long a peer may be silent: the defaults are above;
+    `--peer-poll`, `--peer-silence` and `--peer-startup` set them for a run."""
+
+    poll_s: float = POLL_S
+    silence_s: float = SILENCE_S
+    startup_s: float = STARTUP_S
+
+    def check(self) -> None:
+        """One line where the silence limit does not span several polls: a beat or two late
+        (a loaded machine) would then name a live rank."""
+        if self.silence_s < 4 * self.poll_s:
+            raise UsageError("--peer-silence", self.silence_s,
+                             f"at least 4 polls ({4 * self.poll_s:g} s at --peer-poll {self.poll_s:g})",
+                             "raise --peer-silence or lower --peer-poll")
+        if self.startup_s < self.silence_s:
+            raise UsageError("--peer-startup", self.startup_s,
+                             f"at least --peer-silence ({self.silence_s:g} s)", "raise --peer-startup")
+
+
 class Progress:
     """What the training loop has done, for the watch thread: plain attributes, no locks.
 
     `step`: the last step this rank finished (None before its first); `checkpoint`: the
     newest committed checkpoint of the run, as a path (None before the first).
+
+    The step is also written to the rank's heartbeat helper's shared page (`mirror_to`): the
+    helper reads it there itself, so a rank whose threads cannot run (a C call holding the
+    GIL) still beats with the step it last finished, not the one its watch thread last saw.
     """
 
-    __slots__ = ("checkpoint", "step")
+    __slots__ = ("_mirror", "_step", "checkpoint")
 
     def __init__(self) -> None:
-        self.step: int | None = None
+        self._step: int | None = None
+        self._mirror: memoryview | None = None
         self.checkpoint: str | None = None
+
+    @property
+    def step(self) -> int | None:
+        return self._step
+
+    @step.setter
+    def step(self, value: int | None) -> None:
+        self._step = value
+        if self._mirror is not None:
+            write_step(self._mirror, value)
+
+    def mirror_to(self, page: memoryview | None) -> None:
+        """Write the step to `page` from now on (the helper's shared page; None: nowhere)."""
+        self._mirror = page
+        if page is not None:
+            write_step(page, self._step)
+
+
+def write_step(page: memoryview, step: int | None) -> None:
+    """The step as the helper reads it (heartbeat.py's `_read_step`): int64, -1 for none."""
+    struct.pack_into("<q", page, 0, -1 if step is None else step)
 
 
 @dataclass(frozen=True)
@@ -138,12 +188,34 @@ def store_route(store: dist.Store | None) -> tuple[str, int, str] | None:
     """Host, port and key prefix of the TCPStore under `store`; None where not known."""
     prefix = ""
     if isinstance(store, dist.PrefixStore):
-        if id(store) not in _PREFIXES:
+        base = store._underlying_non_prefix_store
+        found = _PREFIXES.get(id(store))
+        if found is None and isinstance(base, dist.TCPStore):
+            found = _find_prefix(store, base)
+        if found is None:
             return None
-        prefix, store = _PREFIXES[id(store)], store.underlying_store
+        prefix, store = found, base
     if isinstance(store, dist.TCPStore):
         return store.host, store.port, prefix
     return None
+
+
+def _find_prefix(store: dist.PrefixStore, base: dist.TCPStore) -> str | None:
+    """The prefix of a PrefixStore someone else made (a group a user's script formed with
+    `init_process_group`): a probe key written through it, found among the store's keys.
+    Once per rank and process group, and only for a group ddp_amp did not form."""
+    probe = f"ddp_amp/route-probe/{this_machine()}/{os.getpid()}"
+    try:
+        store.set(probe, "")
+        keys = [key for key in base.list_keys() if key.endswith(probe)]
+        store.delete_key(probe)
+    except (RuntimeError, dist.DistError):  # a store without list_keys: unwatched, as before
+        return None
+    if len(keys) != 1:
+        return None
+    prefix = keys[0][:-len(probe)].strip("/")
+    _PREFIXES[id(store)] = prefix
+    return prefix
 
 
 def read_beats(client: WireClient, ranks: list[int], batch: int = BATCH) -> dict[int, Beat]:

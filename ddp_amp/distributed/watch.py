@@ -82,7 +82,7 @@ class PeerWatch:
         if self.store is None and self.launcher.parent_pid is None:
             return self  # a single process of its own: nothing to watch
         if self.route is not None:
-            self.heart = start_heart(self.store, self.env, self.interval_s)
+            self.heart = start_heart(self.store, self.env, self.interval_s, self.progress)
         self._thread = threading.Thread(target=self._watch, name="ddp_amp-peer-watch", daemon=True)
         self._thread.start()
         _RUNNING.add(self)
@@ -99,7 +99,7 @@ class PeerWatch:
         self._wake.set()
         self._thread.join()
         self._thread = None
-        stop_heart(self.rank, self.progress.step, done)
+        stop_heart(self.rank, done)
         if self._wire is not None:
             self._wire.close()
 
@@ -135,7 +135,7 @@ class PeerWatch:
             return
         if not self._store_lost:
             heart.ensure_running()
-        heart.tell(self.progress.step, self._state())
+        heart.tell(self._state())
         for news in heart.news():
             self._hear(news)
         if self.judge and not self._store_lost:
@@ -218,32 +218,44 @@ class PeerWatch:
 
 _RUNNING: set[PeerWatch] = set()  # the watches this process started and has not stopped
 _HEARTS: dict[int, Heart] = {}  # this process's heartbeat helper, by rank
+_FOLLOWERS: dict[int, Progress] = {}  # the Progress whose step each helper's page holds, by rank
 
 
-def start_heart(store: dist.Store | None, env: DistEnv, interval_s: float = POLL_S) -> Heart | None:
+def start_heart(store: dist.Store | None, env: DistEnv, interval_s: float = POLL_S,
+                progress: Progress | None = None) -> Heart | None:
     """Start this rank's heartbeat helper (as the group forms: a rank's silence clock starts
-    at its first beat), or return the one running at this interval."""
+    at its first beat), or return the one running at this interval; from now on `progress`'s
+    step is the one its beats carry."""
     route = store_route(store) if env.world_size > 1 else None
     if route is None:
         return None
     heart = _HEARTS.get(env.rank)
-    if heart is not None and heart.interval_s == interval_s:
-        return heart
-    if heart is not None:
-        heart.stop(None, None)
-    host, port, prefix = route
-    is_host = env.rank == 0 and not env.agent_hosts_store
-    who = identity(this_machine())
-    if store is not None and heart is None:  # the first beat now: a rank that ends before its
-        store.set(f"{BEAT_KEY}{env.rank}", f"0 - {RUNNING} {who}")  # helper runs is still known
-    _HEARTS[env.rank] = Heart((host, port), prefix, env.rank, interval_s, is_host, who)
-    return _HEARTS[env.rank]
+    if heart is None or heart.interval_s != interval_s:
+        if heart is not None:
+            stop_heart(env.rank, done=False)
+        host, port, prefix = route
+        is_host = env.rank == 0 and not env.agent_hosts_store
+        who = identity(this_machine())
+        if store is not None and heart is None:  # the first beat now: a rank that ends before its
+            store.set(f"{BEAT_KEY}{env.rank}", f"0 - {RUNNING} {who}")  # helper runs is still known
+        heart = _HEARTS[env.rank] = Heart((host, port), prefix, env.rank, interval_s, is_host, who)
+    if progress is not None and _FOLLOWERS.get(env.rank) is not progress:
+        previous = _FOLLOWERS.get(env.rank)
+        if previous is not None:
+            previous.mirror_to(None)
+        _FOLLOWERS[env.rank] = progress
+        progress.mirror_to(heart.page)
+    return heart
 
 
-def stop_heart(rank: int, step: int | None, done: bool) -> None:
+def stop_heart(rank: int, done: bool) -> None:
+    """End `rank`'s helper: with `done`, after a last beat that says so."""
     heart = _HEARTS.pop(rank, None)
+    follower = _FOLLOWERS.pop(rank, None)
+    if follower is not None:
+        follower.mirror_to(None)  # before the page is unmapped
     if heart is not None:
-        heart.stop(step, DONE if done else None)
+        heart.stop(DONE if done else None)
 
 
 def stop_watches(finished: bool = True) -> None:
@@ -252,7 +264,7 @@ def stop_watches(finished: bool = True) -> None:
     for watch in list(_RUNNING):
         watch.stop(done=finished)
     for rank in list(_HEARTS):
-        stop_heart(rank, None, finished)
+        stop_heart(rank, finished)
 
 
 def _stop_watches_at_exit() -> None:

@@ -17,10 +17,10 @@ Imports every layer below it; the Trainer builds on it.
 
 from ddp_amp.amp import AgreedGradScaler, AutocastModule
 from ddp_amp.checkpoint import BestRecord, Checkpointer, Meta, Saved, SavedState
-from ddp_amp.distributed import DistContext
+from ddp_amp.distributed import DistContext, Liveness
 from ddp_amp.env import DistEnv
 from ddp_amp.parallel import ShardOptions
 from ddp_amp.session.core import Session
 
-__all__ = ["AgreedGradScaler", "AutocastModule", "BestRecord", "Checkpointer", "DistContext", "DistEnv", "Meta",
-           "Saved", "SavedState", "Session", "ShardOptions"]
+__all__ = ["AgreedGradScaler", "AutocastModule", "BestRecord", "Checkpointer", "DistContext", "DistEnv", "Liveness",
+           "Meta", "Saved", "SavedState", "Session", "ShardOptions"]

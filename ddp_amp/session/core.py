@@ -34,7 +34,8 @@ from torch import nn
 
 from ddp_amp.amp import (AgreedGradScaler, AutocastModule, LossScaleOptions, Precision, StepResult, amp_step,
                          resolve_precision, scaled_backward, unwrap_model)
-from ddp_amp.distributed import (BackendChoice, DeviceChoice, DistContext, PeerWatch, agreed_origin, all_gather_objects,
+from ddp_amp.distributed import (BackendChoice, DeviceChoice, DistContext, Liveness, PeerWatch, agreed_origin,
+                                 all_gather_objects,
                                  all_reduce_, announce_failure, init_distributed, on_rank_zero,
                                  shutdown_distributed, to_device)
 from ddp_amp.env import DistEnv, detect_env
@@ -58,7 +59,8 @@ class Session(SessionSaving):
                  backend: BackendChoice = "auto", timeout_s: float = 600.0,
                  scaler_options: Mapping[str, float | int] | None = None,
                  environ: Mapping[str, str] | None = None, *, fp8_emulate: bool = False,
-                 shard: ShardOptions | None = None, save_arrival_s: float = 30.0) -> None:
+                 shard: ShardOptions | None = None, save_arrival_s: float = 30.0,
+                 liveness: Liveness | None = None) -> None:
         if not save_arrival_s > 0:
             raise UsageError("save_arrival_s", save_arrival_s, "seconds > 0", "e.g. 30")
         self.save_arrival_s = save_arrival_s
@@ -68,6 +70,7 @@ class Session(SessionSaving):
         self._scaler_options = {**LossScaleOptions().scaler_kwargs(), **(scaler_options or {})}
         self._environ = environ
         self._shard = shard
+        self._liveness = liveness
         self._ctx: DistContext | None = None
         self._precision: Precision | None = None
         self._scaler: AgreedGradScaler | None = None
@@ -91,7 +94,8 @@ class Session(SessionSaving):
         env = detect_env(os.environ if self._environ is None else self._environ)
         # A group the caller made before is the caller's to destroy; one we make is ours.
         owns_group = not dist.is_initialized()
-        ctx = init_distributed(env, device, backend, timeout_s, group_of_one=self._shard is not None)
+        ctx = init_distributed(env, device, backend, timeout_s, group_of_one=self._shard is not None,
+                               liveness=self._liveness)
         try:
             self._precision = resolve_precision(precision, ctx.device, fp8_emulate)
             self._scaler = self._precision.make_scaler(**self._scaler_options)
@@ -105,7 +109,9 @@ class Session(SessionSaving):
         self._checkpoints = Checkpointer(ctx, self._precision, self._scaler, log.warning)
         # A peer whose exception leaves its session block ends this process too (failure.py),
         # and so do a silent peer and a launcher that is gone (watch.py).
-        self._watch = PeerWatch(ctx.store, ctx.env, ctx.progress).start()
+        limits = ctx.liveness
+        self._watch = PeerWatch(ctx.store, ctx.env, ctx.progress, limits.poll_s, limits.silence_s,
+                                limits.startup_s).start()
         log.debug("session: rank %d/%d on %s, %s (%s)", ctx.rank, ctx.world_size, ctx.device,
                   self._precision.name, self._precision.reason)
         return self
