@@ -188,7 +188,9 @@ def store_route(store: dist.Store | None) -> tuple[str, int, str] | None:
     """Host, port and key prefix of the TCPStore under `store`; None where not known."""
     prefix = ""
     if isinstance(store, dist.PrefixStore):
-        base = store._underlying_non_prefix_store
+        base: dist.Store = store
+        while isinstance(base, dist.PrefixStore):  # torch nests one per group and per prefix
+            base = base.underlying_store
         found = _PREFIXES.get(id(store))
         if found is None and isinstance(base, dist.TCPStore):
             found = _find_prefix(store, base)
