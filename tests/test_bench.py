@@ -56,7 +56,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     result = _bench("--device", "cpu", "--scale", "0.004", "--batches", "2", "--epochs", "1",
                     "--blocks", "2", "--steps-per-block", "1", "--transformer-precisions", "fp32,fp8",
-                    "--memory-width", "64", "--memory-layers", "4",
+                    "--memory-width", "64", "--memory-layers", "4", "--scale-ranks", "16", "--scale-silence", "2",
                     "--check", "--json", str(out))
     assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-3000:]
     return result, json.loads(out.read_text())
@@ -111,6 +111,11 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None
     estimate = 6 * transformer["parameters"] * transformer["shape"]["batch"] * transformer["shape"]["sequence"]
     assert 0.5 * estimate < rows["fp32"]["flops_per_step"] < 2 * estimate
     assert "Transformer: GPT-2-shaped decoder" in text and "fp8: not run" in text
+    # The real judges against one real store, 16 ranks, one stopping: named, and no other.
+    (scale_row,) = report["sections"]["scale"]["rows"]
+    assert scale_row["ranks"] == 16 and scale_row["false_names"] == 0 and scale_row["detection_s"] is not None
+    assert scale_row["line"].startswith("ddp_amp: rank 15 went silent"), scale_row
+    assert 0 <= scale_row["store_cpu_share"] < 1 and scale_row["requests_per_s"] > 0
 
 
 def test_check_lists_every_target_and_exits_1_exactly_when_one_is_missed(tiny_run: Run) -> None:

@@ -295,6 +295,31 @@ def test_srun_killed_with_sigkill_takes_its_tasks_and_a_rerun_resumes(slurm_clus
     print(f"the tasks ended {ended_after:.2f} s after srun was killed")
 
 
+def test_a_rank_hung_with_the_gil_held_under_plain_srun_ends_and_the_job_with_it(slurm_cluster: Cluster,
+                                                                                  tmp_path: Path) -> None:
+    """A user's own batch script: plain `srun`, no --kill-on-bad-exit. Rank 1 hangs in one C
+    call that keeps the GIL (none of its threads can run); rank 0, which hosts the store,
+    names it and exits. Rank 1's heartbeat helper ends it, so the job ends instead of running
+    on to its time limit."""
+    script = tmp_path / "plain_srun.sh"
+    script.write_text('#!/bin/bash\nsrun "$PYTHON" -m ddp_amp.train "$@"\necho "srun ended: $?"\n')
+    args = ["--task", "tests.plugins.ckpt_task:make_task", "--batch-size", "8", "--device", "cpu", "--log-every",
+            "1000", "--max-steps", "100000", "--run-dir", str(tmp_path / "run"), "--task-opt", "gil_at=5",
+            "--task-opt", "kill_rank=1", "--dist-timeout", "5"]
+    job = sbatch(slurm_cluster, script, ["--ntasks=2", "--nodes=1", "--time=10"], args, tmp_path)
+    try:
+        info = wait_job(slurm_cluster, job, timeout=240)
+    finally:
+        subprocess.run(["scancel", job], env=slurm_cluster.env(), timeout=30)
+    output = job_output(tmp_path)
+    assert info.get("JobState") in FINAL_STATES - {"TIMEOUT", "CANCELLED"}, (info, output[-3000:])
+    assert "srun ended: " in output and "srun ended: 0" not in output, output[-3000:]
+    ours = [line for line in output.splitlines() if line.startswith("ddp_amp: ")]
+    assert ours == ["ddp_amp: rank 1 made no progress since step 5: alive, but never joined the collective that "
+                    "timed out (--dist-timeout) on the others (a hang in its own code or I/O: data loading, a file "
+                    "system, a deadlock); the other ranks reached step 5"], output[-3000:]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def time_limited_job(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """The time-limited job of the last test, submitted before this module's first test: its

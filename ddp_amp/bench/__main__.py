@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Defaults depend on the device: recipe sizes on CUDA, 1/16 of them and short runs on CPU.")
     parser.add_argument("--scale-ranks", default=",".join(map(str, scale.RANKS)),
                         help="the scale section's world sizes, comma-separated (default: %(default)s)")
+    parser.add_argument("--scale-silence", type=float, default=scale.SILENCE_S,
+                        help="the scale section's silence limit in seconds, as --peer-silence sets it for a run; "
+                        "each size takes about twice this (default: %(default)s)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated sections to run, from {', '.join(SECTIONS)} (default: all)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
@@ -211,7 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["sections"]["resume"] = section
         print("\n" + resume.resume_table(section), flush=True)
     if "scale" in args.sections:
-        section = scale.run(tuple(int(n) for n in args.scale_ranks.split(",")))
+        section = scale.run(tuple(int(n) for n in args.scale_ranks.split(",")), args.scale_silence)
         report["sections"]["scale"] = section
         print("\n" + scale.scale_table(section), flush=True)
     return report

@@ -72,6 +72,7 @@ def run_checkpoint_bench(hidden: int = 1024, layers: int = 4, repeats: int = 7,
                         "optimizer": trainer.optimizer.state_dict()}, root / "bare.pt")
             bares.append(time.perf_counter() - started)
         state_bytes = sum(p.stat().st_size for p in path.iterdir())
+        trainer.session.close()  # retention's deletion ends before the folder is removed
         ratios = [stall / bare for stall, bare in zip(stalls, bares)]
         return {
             "item": "checkpoint_save_stall",
@@ -132,6 +133,7 @@ def _async_pairs(ctx: DistContext, hidden: int, layers: int, pairs: int, directo
                 times["to_commit"].append(writing + waited)
                 _committed(path, trainer)
         state_bytes = sum(p.stat().st_size for p in _committed(path, trainer).iterdir())
+        trainer.session.close()  # retention's deletion ends before the folder is removed
         median = {name: statistics.median(values) for name, values in times.items()}
         return {
             "item": "async_checkpoint_stall",

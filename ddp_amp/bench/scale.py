@@ -28,7 +28,7 @@ from ddp_amp.env import DistEnv
 
 RANKS = (64, 512, 4096, 16384)
 PREFIX = "ddp_amp/attempt_0"
-WARM_S = SILENCE_S + 5.0  # longer than the silence limit: a live rank named by then is a false name
+WARM_AFTER_SILENCE_S = 5.0  # the warm-up outlasts the silence limit: a live rank named by then is a false name
 DETECT_LIMIT_S = 30.0
 STORE_SHARE_TARGET = 0.10  # of one core, at 4,096 ranks
 CONNECTIONS = 8
@@ -70,7 +70,7 @@ class Emulated(threading.Thread):
             self.stop.wait(max(0.0, POLL_S - (time.monotonic() - began)))
 
 
-def _one(ranks: int) -> dict[str, Any]:
+def _one(ranks: int, silence_s: float) -> dict[str, Any]:
     server = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     lines: list[str] = []
     named = threading.Event()
@@ -84,20 +84,23 @@ def _one(ranks: int) -> dict[str, Any]:
         # The judges' line and their exit, caught: this process goes on to the next size.
         watch._say = lines.append  # type: ignore[assignment]  # a bench hook on the module's printer
 
-        def caught() -> None:  # never returns, as os._exit
+        released = threading.Event()
+
+        def caught() -> None:  # returns only once the size is over (os._exit never does)
             named.set()
-            time.sleep(3600)
+            released.wait()
 
         watch._exit = caught
         dead = ranks - 1
         started = time.monotonic()
-        kill_at = started + WARM_S
+        kill_at = started + silence_s + WARM_AFTER_SILENCE_S
         stop = threading.Event()
         others = list(range(2, ranks))
         emulated = [Emulated(port, others[i::CONNECTIONS], dead, kill_at, stop) for i in range(CONNECTIONS)]
         for thread in emulated:
             thread.start()
-        judges = [watch.PeerWatch(prefixed, DistEnv(rank=r, world_size=ranks)).start() for r in (0, 1)]
+        judges = [watch.PeerWatch(prefixed, DistEnv(rank=r, world_size=ranks), silence_s=silence_s).start()
+                  for r in (0, 1)]
         time.sleep(2.0)  # past the start: the steady state is measured
         cpu0, t0, req0 = _cpu_s(server.pid), time.monotonic(), sum(t.requests for t in emulated)
         named.wait(max(0.0, kill_at - time.monotonic()))
@@ -106,10 +109,9 @@ def _one(ranks: int) -> dict[str, Any]:
         named.wait(DETECT_LIMIT_S + 30)
         detected = time.monotonic() - kill_at if named.is_set() and not early else None
         stop.set()
-        for judge in judges:  # a judge's thread may sleep in `caught`: not joined, and no helper restarted
-            judge._stopping, judge.heart = True, None
-        for rank in (0, 1):
-            watch.stop_heart(rank, False)
+        released.set()  # a judge's thread waiting in `caught` goes on, sees it is stopped, and ends
+        for judge in judges:
+            judge.stop(done=False)  # joined, and its helper ended
         judge_requests = 2 * -(-ranks // 100) / POLL_S  # two judges, batches of 100 beats per poll
         false_names = sorted(_named(lines) - {dead})
         share = (cpu1 - cpu0) / (t1 - t0)
@@ -135,13 +137,12 @@ def _named(lines: list[str]) -> set[int]:
     return found
 
 
-def run(ranks: tuple[int, ...] = RANKS) -> dict[str, Any]:
-    """Each size in turn; about WARM_S + SILENCE_S + a few seconds each."""
+def run(ranks: tuple[int, ...] = RANKS, silence_s: float = SILENCE_S) -> dict[str, Any]:
+    """Each size in turn; about twice the silence limit and a few seconds each."""
     saved = watch._say, watch._exit
     try:
-        return {"rows": [_one(n) for n in ranks], "poll_s": POLL_S, "silence_s": SILENCE_S}
+        return {"rows": [_one(n, silence_s) for n in ranks], "poll_s": POLL_S, "silence_s": silence_s}
     finally:
-        time.sleep(2 * watch.LAUNCHER_SEES_S)  # the judge that printed calls its exit after this pause
         watch._say, watch._exit = saved
 
 
