@@ -74,7 +74,7 @@ def test_hsdp_checkpoints_resume_under_shard_and_ddp_and_a_shard_checkpoint_unde
     assert _close(resume("ddp", "hsdp", 4), after["ddp"])
     assert _close(resume("hsdp", "shard", 4), after["hsdp"])
     # 2 ranks read other batches (the data position maps as for DDP), so their losses are
-    # only of the same size: finite, and not back at an untrained model's.
+    # only of the same size as the 4 ranks' (below twice theirs: finite, not diverged).
     on_two = resume("shard", "hsdp", 2)
     assert sorted(on_two) == [4, 5, 6] and all(loss < after["ddp"][4] * 2 for loss in on_two.values()), on_two
 
