@@ -40,12 +40,19 @@ def test_a_world_of_one_gets_the_autocast_wrapper_around_the_users_module() -> N
     assert made.description == "replicated" and made.units == ()
 
 
-@pytest.mark.parametrize("asked", [{"replicate": 2}, {"tensor_parallel": {"blocks.0": "colwise"}}])
+@pytest.mark.parametrize("asked", [{"tensor_parallel": {"blocks.0": "colwise"}}])
 def test_a_plan_asking_for_what_is_not_implemented_is_refused_in_one_line(asked: dict[str, Any]) -> None:
     with pytest.raises(UsageError) as raised:
         ParallelPlan(shard=True, **asked)
     message = str(raised.value)
     assert next(iter(asked)) in message and "not implemented" in message and "\n" not in message
+
+
+def test_replicas_of_a_model_that_is_not_sharded_are_refused_in_one_line() -> None:
+    with pytest.raises(UsageError) as raised:
+        ParallelPlan(replicate=2)
+    message = str(raised.value)
+    assert "replicate=2" in message and "shard=True" in message and "\n" not in message
 
 
 def _sharded_layout(ctx: DistContext) -> dict[str, Any]:

@@ -161,16 +161,16 @@ class _Blocks(nn.Module):
         return self.head(x)
 
 
-def _one_rank_inf(ctx: DistContext, shard: bool, inf_at: tuple[int, ...]) -> dict[str, Any]:
-    """fp16, an inf written into rank 1's part of one gradient at `inf_at`: the skips, the scales
-    and the final weights, whole (collective)."""
-    options = ShardOptions() if shard else None
+def _one_rank_inf(ctx: DistContext, shard: bool, inf_at: tuple[int, ...], replicate: int = 1) -> dict[str, Any]:
+    """fp16, an inf written into rank 1's part of one gradient at `inf_at`: the skips, the scales,
+    the norms before clipping and the final weights, whole (collective). `replicate` > 1: HSDP."""
+    options = ShardOptions(replicate=replicate) if shard else None
     with Session("fp16", "cpu", backend="gloo", scaler_options={"init_scale": 256.0}, environ=os.environ,
                  shard=options) as session:
         torch.manual_seed(0)
         model = session.setup(_Blocks())
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        skipped, scales = [], []
+        skipped, scales, norms = [], [], []
         for step in range(6):
             generator = torch.Generator().manual_seed(100 * step + ctx.rank)
             x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)
@@ -184,9 +184,10 @@ def _one_rank_inf(ctx: DistContext, shard: bool, inf_at: tuple[int, ...]) -> dic
             optimizer.zero_grad(set_to_none=True)
             skipped.append(int(result.skipped.item()))  # type: ignore[union-attr]
             scales.append(session.scaler.get_scale())
+            norms.append(float(result.grad_norm))  # type: ignore[arg-type]  # clipped: a tensor
         weights = {name: (p.full_tensor() if shard else p).detach().clone()
                    for name, p in session.unwrap(model).named_parameters()}
-    return {"skipped": skipped, "scales": scales, "weights": weights}
+    return {"skipped": skipped, "scales": scales, "norms": norms, "weights": weights}
 
 
 def test_an_inf_in_one_ranks_shard_skips_the_step_on_every_rank() -> None:

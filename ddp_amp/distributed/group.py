@@ -45,8 +45,9 @@ class DistContext:
     # What this rank's loop has done (its last step, its run's last checkpoint), read by the
     # rank's watch thread for its heartbeat (liveness.py); the loop sets plain attributes.
     progress: Progress = field(default_factory=Progress, compare=False, repr=False)
-    # The ranks laid out by what they do: one data-parallel dimension ("dp") today; a
-    # replicate x shard or a tensor-parallel dimension is one more name. None without a group.
+    # The ranks laid out by what they do: one data-parallel dimension ("dp"), or replicas of
+    # a sharded model, ("dp_replicate", "dp_shard") for HSDP; a tensor-parallel dimension
+    # would be one more name. None without a group.
     mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     # How often the ranks beat and how long one may be silent: the same on every rank.
     liveness: Liveness = field(default_factory=Liveness, compare=False)
@@ -106,10 +107,26 @@ def _dp_rank(mesh: DeviceMesh) -> int:
     return rank
 
 
-def build_mesh(device: torch.device, world_size: int) -> DeviceMesh:
+def build_mesh(device: torch.device, world_size: int, replicate: int = 1) -> DeviceMesh:
     """The device mesh over the group just joined (collective): one data-parallel
-    dimension spanning every rank, which reuses the default group (no new one is formed)."""
-    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    dimension spanning every rank, which reuses the default group (no new one is formed);
+    or, for `replicate` > 1, `replicate` rows of world_size / replicate ranks each, so that
+    FSDP2 shards within a row and all-reduces across rows (HSDP). That forms a group per
+    row and per column, on every rank together."""
+    check_replicate(replicate, world_size)
+    if replicate == 1:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    return init_device_mesh(device.type, (replicate, world_size // replicate),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def check_replicate(replicate: int, world_size: int) -> None:
+    """A replicate degree the world can be laid out in: rows of equal size."""
+    if replicate < 1 or world_size % replicate:
+        divisors = [str(d) for d in range(1, world_size + 1) if world_size % d == 0]
+        raise UsageError("--replicate", replicate, f"a divisor of the world size {world_size}",
+                         f"one of {', '.join(divisors)}: each replica shards the model over "
+                         "world size / replicate ranks")
 
 
 def resolve_backend(choice: BackendChoice, device: torch.device) -> str:
@@ -153,9 +170,10 @@ def _late(env: DistEnv, timeout: timedelta, error: Exception) -> UsageError:
 
 def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: BackendChoice = "auto",
                      timeout_s: float = 600.0, group_of_one: bool = False,
-                     liveness: Liveness | None = None) -> DistContext:
+                     liveness: Liveness | None = None, replicate: int = 1) -> DistContext:
     """Choose the device and join the process group (collective); each rank's heartbeat
-    starts with it, at `liveness`'s poll (the defaults where None).
+    starts with it, at `liveness`'s poll (the defaults where None). `replicate` > 1 lays
+    the ranks out as replicas of a sharded model (`build_mesh`); it must divide the world.
 
     A world of one joins none, unless a backend is named or `group_of_one` asks for one (a
     sharded model needs a group): then it forms a group of one, so that the DDP or FSDP path
@@ -164,6 +182,7 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
     global _OUR_GROUP
     liveness = liveness if liveness is not None else Liveness()
     liveness.check()
+    check_replicate(replicate, env.world_size)  # before a group or a file exists
     torch_device = resolve_device(device, env, backend)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
@@ -175,7 +194,8 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
         # progress); torch's default store wraps ours in a prefix of its own.
         store, progress = _OUR_GROUP if _OUR_GROUP is not None else (_default_store(), Progress())
         return DistContext(env, torch_device, dist.get_backend(), store, progress,
-                           mesh=build_mesh(torch_device, dist.get_world_size()), liveness=liveness)
+                           mesh=build_mesh(torch_device, dist.get_world_size(), replicate),
+                           liveness=liveness)
     timeout = timedelta(seconds=timeout_s)
     # A group of one needs no rendezvous: an in-memory store, no port to claim.
     store = _open_store(env, timeout) if env.is_distributed else dist.HashStore()
@@ -192,7 +212,7 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
     # The group is formed on our own store first (a per-attempt prefix, above); the mesh
     # then lays the ranks out on it.
     return DistContext(env, torch_device, chosen, store if env.is_distributed else None, progress,
-                       mesh=build_mesh(torch_device, env.world_size), liveness=liveness)
+                       mesh=build_mesh(torch_device, env.world_size, replicate), liveness=liveness)
 
 
 # The store (None for a group of one) and progress of the group init_distributed formed,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ddp_amp.errors import UsageError
-from ddp_amp.option_values import ComponentOptions, check_fields, flag_of, option
+from ddp_amp.option_values import INT_LIMIT, ComponentOptions, check_fields, flag_of, option
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,10 @@ class ParallelOptions(ComponentOptions):
                                          "them, more memory, less communication)")
     activation_checkpointing: bool = option(False, "with --shard: recompute each unit's activations in backward "
                                             "instead of keeping them (less memory, one more forward per unit)")
+    replicate: int = option(1, "with --shard: R replicas of the sharded model (HSDP), each sharded over world "
+                            "size / R ranks; gradients are reduce-scattered within a replica and all-reduced "
+                            "across replicas (R must divide the world size; 1 shards over every rank)",
+                            limits=(1, INT_LIMIT))
     # --- performance fast paths (measured by python -m ddp_amp.bench) ---
     compile: bool = option(False, "torch.compile the model (inside the autocast wrapper, under DDP) and "
                            "the loss; the first steps pay the compile time. Pays on transformers, not on "
@@ -39,7 +43,9 @@ class ParallelOptions(ComponentOptions):
                 if getattr(self, name):
                     raise UsageError(flag_of(name), True, "an option that works with --shard",
                                      f"{flag_of(name)} is not supported with --shard yet; drop one of them")
-        elif not self.reshard_after_forward or self.activation_checkpointing:
-            name = "activation_checkpointing" if self.activation_checkpointing else "reshard_after_forward"
+        elif not self.reshard_after_forward or self.activation_checkpointing or self.replicate != 1:
+            name = next(name for name, default in (("activation_checkpointing", False),
+                                                   ("reshard_after_forward", True), ("replicate", 1))
+                        if getattr(self, name) != default)
             raise UsageError(flag_of(name), getattr(self, name), "--shard with it (it is a sharding option)",
                              "add --shard, or drop it")

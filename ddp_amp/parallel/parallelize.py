@@ -15,7 +15,8 @@ The order, and why:
    composable form keeps parameter names, so the sharded state's names stay the model's;
 5. compile the user's module alone (replicated only): autocast and DDP's hooks stay outside
    the compiled graph, which sees plain tensors;
-6. FSDP2 per unit and then the root, on the mesh's data-parallel dimension, or DDP;
+6. FSDP2 per unit and then the root, on the mesh's data-parallel dimension (its replicate
+   x shard dimensions for HSDP), or DDP;
 7. the autocast wrapper: inside DDP, so DDP's forward runs the user's forward under autocast
    in whatever thread calls it; outside a sharded root, so autocast is entered before the
    root gathers its weights and the sharded state's names are the model's own.
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ddp_amp.amp.autocast import AutocastModule
 from ddp_amp.amp.float8 import convert_linears
@@ -55,15 +57,14 @@ class Parallelized:
 def parallelize(model: nn.Module, plan: ParallelPlan, precision: Precision, ctx: DistContext) -> Parallelized:
     """Apply `plan` to `model` on this rank (collective where there is a group: DDP's
     weight broadcast, or the ranks agreeing on the sharded layout)."""
-    if plan.shard and ctx.mesh is None:
-        raise UsageError("ParallelPlan.shard", True, "a process group with a device mesh",
-                         "start the session with shard=ShardOptions(): it forms a group even for one rank")
+    if plan.shard:
+        _check_mesh(plan, ctx.mesh)
     inner = model.to(ctx.device)
     if precision.float8_linears:
         inner = convert_linears(inner, emulate=precision.emulate_fp8)
     units = shard_units(inner, plan.units) if plan.shard else []
     # Described now: sharding changes each unit's class (FSDPLinear for a Linear).
-    description = _sharded_description(plan, units) if plan.shard else "replicated"
+    description = _sharded_description(plan, units, ctx) if plan.shard else "replicated"
     if plan.activation_checkpointing:
         _checkpoint_each(units)
     if plan.compile:
@@ -87,8 +88,28 @@ def _checkpoint_each(units: list[nn.Module]) -> None:
         checkpoint(unit)
 
 
-def _sharded_description(plan: ParallelPlan, units: list[nn.Module]) -> str:
+def _sharded_description(plan: ParallelPlan, units: list[nn.Module], ctx: DistContext) -> str:
     extras = [text for on, text in ((plan.activation_checkpointing, "activation checkpointing per unit"),
                                     (not plan.reshard_after_forward, "kept gathered from forward to backward"))
               if on]
-    return f"sharded: {describe_units(units)} and the model as the root" + (f" ({', '.join(extras)})" if extras else "")
+    return (f"sharded{_replicas(plan, ctx)}: {describe_units(units)} and the model as the root"
+            + (f" ({', '.join(extras)})" if extras else ""))
+
+
+def _replicas(plan: ParallelPlan, ctx: DistContext) -> str:
+    """' over 2 ranks, replicated 2 times' under HSDP; nothing where every rank holds one shard."""
+    if plan.replicate == 1:
+        return ""
+    return f" over {ctx.world_size // plan.replicate} ranks, replicated {plan.replicate} times"
+
+
+def _check_mesh(plan: ParallelPlan, mesh: DeviceMesh | None) -> None:
+    """A sharded plan needs a mesh, whose rows are the plan's replicas: the session laid it
+    out for them before any model existed."""
+    if mesh is None:
+        raise UsageError("ParallelPlan.shard", True, "a process group with a device mesh",
+                         "start the session with shard=ShardOptions(): it forms a group even for one rank")
+    rows = mesh.size(0) if mesh.ndim == 2 else 1
+    if rows != plan.replicate:
+        raise UsageError("ParallelPlan.replicate", plan.replicate, f"the replicas of the session's mesh ({rows})",
+                         "set ShardOptions(replicate=...) on the Session: it lays the ranks out before any model")

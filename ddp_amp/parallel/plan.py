@@ -3,8 +3,9 @@
 A plan is built once per model (by `Session.setup`, from its arguments and the session's
 `ShardOptions`) and refuses a combination that cannot run when it is made, in one line
 naming the value and the fix, before anything has touched the model or the ranks.
-`replicate` and `tensor_parallel` hold the place of what comes next (a replicate x shard
-mesh, HSDP; a tensor-parallel dimension); they are refused while not implemented.
+`replicate` > 1 shards within each of that many replicas (HSDP, on the session's
+replicate x shard mesh); `tensor_parallel` holds the place of what comes next (a
+tensor-parallel dimension) and is refused while not implemented.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ class ShardOptions:
     reshard_after_forward: bool = True
     # Recompute each unit's activations in backward instead of keeping them.
     activation_checkpointing: bool = False
+    # Replicas of the sharded model (HSDP): each shards it over world size / replicate
+    # ranks, and gradients are averaged across replicas. The session lays its mesh out by it.
+    replicate: int = 1
+
+    def __post_init__(self) -> None:
+        if self.replicate < 1:
+            raise UsageError("ShardOptions.replicate", self.replicate, "an integer >= 1",
+                             "1 shards over every rank; R > 1 makes R replicas, each sharded")
 
 
 @dataclass(frozen=True)
@@ -64,14 +73,15 @@ class ParallelPlan:
     ddp_options: Mapping[str, Any] = field(default_factory=dict)
     """DDP: any other keyword of DistributedDataParallel (bucket_cap_mb, ...)."""
     replicate: int = 1
-    """Replicas of the sharded model (a replicate x shard mesh, HSDP); only 1 so far."""
+    """Sharded: replicas of the sharded model (HSDP, over the session's replicate x shard
+    mesh); 1 shards over every rank."""
     tensor_parallel: Mapping[str, Any] | None = None
     """A tensor-parallel plan (module name -> style); not implemented, None."""
 
     def __post_init__(self) -> None:
-        if self.replicate != 1:
-            raise UsageError("ParallelPlan.replicate", self.replicate, "1 (HSDP, a replicate x shard mesh, is not "
-                             "implemented yet)", "leave replicate=1: every rank is one data-parallel shard")
+        if self.replicate != 1 and not self.shard:
+            raise UsageError("ParallelPlan.replicate", self.replicate, "1 for a replicated model",
+                             "replicas of a sharded model need shard=True (--shard); DDP replicates on every rank")
         if self.tensor_parallel is not None:
             raise UsageError("ParallelPlan.tensor_parallel", "a plan", "None (tensor parallelism is not implemented "
                              "yet)", "leave tensor_parallel=None: replicate or shard the model instead")

@@ -70,6 +70,7 @@ class SessionModels:
         return ParallelPlan(shard=shard is not None, units=units,
                             reshard_after_forward=shard.reshard_after_forward if shard else True,
                             activation_checkpointing=shard.activation_checkpointing if shard else False,
+                            replicate=shard.replicate if shard else 1,
                             grad_comm_dtype=grad_comm_dtype, compile=compile_model,
                             cast_outputs_to_fp32=cast_outputs_to_fp32, ddp_options=rest, **named)
 

@@ -19,7 +19,7 @@ def shard_options(config: TrainConfig) -> ShardOptions | None:
     parallel = config.parallel_options()
     if not parallel.shard:
         return None
-    return ShardOptions(parallel.reshard_after_forward, parallel.activation_checkpointing)
+    return ShardOptions(parallel.reshard_after_forward, parallel.activation_checkpointing, parallel.replicate)
 
 
 def session_for(config: TrainConfig) -> Session:
