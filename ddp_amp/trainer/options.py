@@ -19,7 +19,8 @@ def shard_options(config: TrainConfig) -> ShardOptions | None:
     parallel = config.parallel_options()
     if not parallel.shard:
         return None
-    return ShardOptions(parallel.reshard_after_forward, parallel.activation_checkpointing)
+    return ShardOptions(parallel.reshard_after_forward, parallel.activation_checkpointing,
+                        parallel.shard_param_dtype, parallel.cpu_offload)
 
 
 def session_for(config: TrainConfig) -> Session:
