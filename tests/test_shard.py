@@ -270,22 +270,22 @@ def test_bf16_gathers_train_close_to_fp32_ones_and_their_checkpoint_resumes_with
     losses = {}
     for dtype in ("fp32", "bf16"):
         result = run_train([*LM, "--shard", "--shard-param-dtype", dtype, "--lr", "0.5", "--max-steps", "20",
-                            "--run-dir", str(tmp_path / dtype)], nproc=2)
+                            "--eval-every", "0", "--run-dir", str(tmp_path / dtype)], nproc=2)
         assert result.returncode == 0, result.stderr[-3000:]
         losses[dtype] = [r["loss"] for r in _records(tmp_path / dtype) if "loss" in r]
     assert "(parameters gathered in bf16)" in result.stdout
     assert all(math.isfinite(loss) for loss in losses["bf16"]) and losses["bf16"][-1] < losses["bf16"][0]
-    # docs/sharding.md: over these 20 steps the bf16 gathers' loss stays within 1% of the
-    # fp32 gathers' (measured well under that); a wrong reduce dtype or cast would not.
-    assert abs(losses["bf16"][-1] - losses["fp32"][-1]) <= 0.01 * losses["fp32"][-1], losses
+    # docs/sharding.md: over these 20 steps the bf16 gathers' loss stays within 0.5% of the
+    # fp32 gathers' (measured 0.007%).
+    assert abs(losses["bf16"][-1] - losses["fp32"][-1]) <= 0.005 * losses["fp32"][-1], losses
     # The shards are stored as the parameters are, fp32, whatever they were gathered in.
     step20 = tmp_path / "bf16" / "checkpoints" / "step-00000020"
     for key in ("model", "optimizer"):
         stored = {name: tensor.dtype for name, tensor in sharded_tensors(step20, key).items()
                   if tensor.is_floating_point() and tensor.dim()}
         assert set(stored.values()) == ({torch.float32} if stored or key == "model" else set()), stored
-    resumed = run_train([*LM, "--shard", "--lr", "0.5", "--max-steps", "23", "--run-dir", str(tmp_path / "bf16")],
-                        nproc=2)
+    resumed = run_train([*LM, "--shard", "--lr", "0.5", "--max-steps", "23", "--eval-every", "0", "--run-dir",
+                         str(tmp_path / "bf16")], nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "at step 20" in resumed.stdout and "gathered in" not in resumed.stdout
     assert all(math.isfinite(r["loss"]) for r in _records(tmp_path / "bf16") if "loss" in r and r["step"] > 20)
