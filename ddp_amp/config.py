@@ -16,6 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ddp_amp.amp.options import PrecisionOptions
 from ddp_amp.checkpoint.options import CheckpointOptions
 from ddp_amp.data.options import DataOptions
@@ -169,6 +171,10 @@ class TrainConfig(ParallelOptions, GuardOptions, CheckpointOptions, LogOptions, 
         CheckpointOptions.check(self)
         GuardOptions.check(self)
         ParallelOptions.check(self)
+        if self.cpu_offload and (self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())):
+            # Offloading frees GPU memory; a CPU run holds its shards on the host already.
+            raise UsageError("--cpu-offload", True, "a CUDA run (--device cuda, or auto on a machine with a GPU)",
+                             "drop --cpu-offload on a CPU run: its shards are on the host already")
         must_match = match_fields()
         for name in self.allow_change:
             if name not in must_match:

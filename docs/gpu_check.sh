@@ -31,6 +31,12 @@ step 120 torchrun --standalone --nproc_per_node=1 -m ddp_amp.train --precision f
     --run-dir "$out/nccl-1rank-fp16"
 step 120 torchrun --standalone --nproc_per_node=2 -m ddp_amp.train --backend gloo --precision bf16 \
     --max-steps 300 --run-dir "$out/gloo-2ranks-1gpu-bf16"
+# --shard --cpu-offload: the shards, gradients and optimizer state in host memory, the
+# optimizer stepping on the CPU. Only a GPU run can offload (a CPU run refuses the flag), so
+# this is its only check: a few steps must finish (summary.json is written at the end).
+step 180 python -m ddp_amp.train --task lm --shard --cpu-offload --device cuda --max-steps 20 \
+    --run-dir "$out/shard-cpu-offload"
+if [[ -f $out/shard-cpu-offload/summary.json ]]; then echo "cpu-offload: finished"; else echo "cpu-offload: FAILED"; fi
 # Two ranks on one GPU without --backend gloo: expected to stop with the one-line hint.
 step 60 torchrun --standalone --nproc_per_node=2 -m ddp_amp.train --max-steps 10 --run-dir "$out/nccl-2ranks-1gpu"
 

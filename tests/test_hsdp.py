@@ -41,9 +41,12 @@ def _close(ours: dict[int, float], theirs: dict[int, float]) -> bool:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Six steps on 4 ranks in each layout, a checkpoint at step 3 and 6 of each."""
+    """Six steps on 4 ranks under DDP and HSDP, a checkpoint at step 3 and 6 of each (plain
+    --shard against DDP is test_shard's)."""
     runs = {}
     for name, flags in LAYOUTS.items():
+        if name == "shard":
+            continue
         runs[name] = tmp_path_factory.mktemp(name)
         out = _train([*HSDP_LM, *flags, "--max-steps", "6", "--run-dir", str(runs[name])], nproc=4)
         if name == "hsdp":
@@ -51,15 +54,15 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return runs
 
 
-def test_hsdp_steps_the_losses_of_shard_and_ddp_with_clipping_on(straight: dict[str, Path]) -> None:
+def test_hsdp_steps_the_losses_of_ddp_with_clipping_on(straight: dict[str, Path]) -> None:
     losses = {name: _losses(run_dir) for name, run_dir in straight.items()}
     assert len(losses["hsdp"]) == 6
-    assert _close(losses["hsdp"], losses["ddp"]) and _close(losses["shard"], losses["ddp"]), losses
+    assert _close(losses["hsdp"], losses["ddp"]), losses
     print({name: max(abs(v[s] - losses["ddp"][s]) / abs(losses["ddp"][s]) for s in v)  # doc figures
            for name, v in losses.items()})
 
 
-def test_hsdp_checkpoints_resume_under_shard_and_ddp_and_a_shard_checkpoint_under_hsdp(
+def test_hsdp_checkpoints_resume_under_shard_and_ddp_and_a_ddp_checkpoint_under_hsdp(
         straight: dict[str, Path], tmp_path: Path) -> None:
     def resume(layout: str, checkpoint_of: str, nproc: int) -> dict[int, float]:
         run_dir = tmp_path / f"{checkpoint_of}-as-{layout}-on-{nproc}"
@@ -72,7 +75,7 @@ def test_hsdp_checkpoints_resume_under_shard_and_ddp_and_a_shard_checkpoint_unde
     after = {name: _losses(run_dir, after=3) for name, run_dir in straight.items()}
     # The same 4 ranks read the same data: the run goes on as the straight ones did.
     assert _close(resume("ddp", "hsdp", 4), after["ddp"])
-    assert _close(resume("hsdp", "shard", 4), after["hsdp"])
+    assert _close(resume("hsdp", "ddp", 4), after["hsdp"])
     # 2 ranks read other batches (the data position maps as for DDP), so their losses are
     # only of the same size as the 4 ranks' (below twice theirs: finite, not diverged).
     on_two = resume("shard", "hsdp", 2)

@@ -170,7 +170,8 @@ def _late(env: DistEnv, timeout: timedelta, error: Exception) -> UsageError:
 
 def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: BackendChoice = "auto",
                      timeout_s: float = 600.0, group_of_one: bool = False,
-                     liveness: Liveness | None = None, replicate: int = 1) -> DistContext:
+                     liveness: Liveness | None = None, replicate: int = 1,
+                     host_collectives: bool = False) -> DistContext:
     """Choose the device and join the process group (collective); each rank's heartbeat
     starts with it, at `liveness`'s poll (the defaults where None). `replicate` > 1 lays
     the ranks out as replicas of a sharded model (`build_mesh`); it must divide the world.
@@ -178,6 +179,10 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
     A world of one joins none, unless a backend is named or `group_of_one` asks for one (a
     sharded model needs a group): then it forms a group of one, so that the DDP or FSDP path
     runs and can be checked on one GPU.
+
+    `host_collectives` adds gloo for host tensors beside NCCL (a sharded model offloaded to
+    the host: its gradients' norm and finite flags are reduced where they live, and NCCL
+    has no host path).
     """
     global _OUR_GROUP
     liveness = liveness if liveness is not None else Liveness()
@@ -200,7 +205,8 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
     # A group of one needs no rendezvous: an in-memory store, no port to claim.
     store = _open_store(env, timeout) if env.is_distributed else dist.HashStore()
     try:
-        dist.init_process_group(chosen, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        per_device = f"cuda:{chosen},cpu:gloo" if host_collectives and chosen == "nccl" else chosen
+        dist.init_process_group(per_device, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     except (dist.DistStoreError, dist.DistNetworkError) as error:
         raise _late(env, timeout, error) from None
     log.debug("rank %d joined %s group of %d", env.rank, chosen, env.world_size)

@@ -6,10 +6,12 @@ its forward and backward and freed after, and gradients are reduce-scattered. Un
 blocks of the model (`units`: what the task names, else `default_units`); the model itself
 is sharded last, as the root, holding what no unit holds (embeddings, a final norm, a head).
 
-Precision is not FSDP's job here: parameters stay fp32 (`MixedPrecisionPolicy` with no
-`param_dtype`) and the autocast wrapper around the root casts per op, exactly as it does
-around DDP, so `--precision` means the same numerics sharded or not (docs/sharding.md).
-`reduce_dtype` is `--grad-comm-dtype`'s, the dtype gradients are reduce-scattered in.
+Precision is not FSDP's job by default: parameters are gathered fp32 (`MixedPrecisionPolicy`
+with no `param_dtype`) and the autocast wrapper around the root casts per op, exactly as it
+does around DDP, so `--precision` means the same numerics sharded or not (docs/sharding.md).
+`param_dtype` bf16 (`--shard-param-dtype`) gathers them in bf16 instead, half the bytes, at
+the price of bf16 weights in every op. `reduce_dtype` is `--grad-comm-dtype`'s, the dtype
+gradients are reduce-scattered in. `cpu_offload` keeps the shards on the host (CUDA only).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ddp_amp.errors import UsageError
@@ -62,20 +64,40 @@ def _describe(units: Units) -> str:
 
 
 def shard_model(model: nn.Module, units: list[nn.Module], *, mesh: DeviceMesh | None,
-                reshard_after_forward: bool = True, reduce_dtype: torch.dtype | None = None) -> nn.Module:
+                reshard_after_forward: bool = True, reduce_dtype: torch.dtype | None = None,
+                param_dtype: torch.dtype | None = None, cpu_offload: bool = False) -> nn.Module:
     """`fully_shard` every unit, then the model as the root, over `mesh` (collective: the
     ranks agree on the layout). The model is the same object afterwards, now an FSDPModule.
 
     `reshard_after_forward` frees each unit's gathered weights after its forward (False keeps
-    them until its backward); `reduce_dtype` None reduces gradients in fp32."""
-    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    them until its backward); `reduce_dtype` None reduces gradients in fp32; `param_dtype`
+    None gathers parameters as stored (fp32); `cpu_offload` keeps the shards on the host."""
+    unit_policy, root_policy = _precision_policies(param_dtype, reduce_dtype)
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(unit, mesh=mesh, mp_policy=unit_policy, reshard_after_forward=reshard_after_forward,
+                    offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=root_policy, reshard_after_forward=reshard_after_forward,
+                offload_policy=offload)
     # The root's output is often a view (a Linear over a 3-d input): FSDP warns in case it is
     # modified in place, which the loss never does.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     return model
+
+
+def _precision_policies(param_dtype: torch.dtype | None,
+                        reduce_dtype: torch.dtype | None) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
+    """The units' policy and the root's. Gathered as stored, both are today's exact policy.
+    Gathered in a lower dtype: FSDP would reduce gradients in that dtype too where no reduce
+    dtype is named, so fp32 is named (the torchtitan policy); and the root hands its outputs
+    back in fp32, so the loss is computed in fp32 as under autocast (units pass theirs on in
+    the gather dtype, which the next unit would cast to anyway)."""
+    if param_dtype is None:
+        exact = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+        return exact, exact
+    reduce = reduce_dtype or torch.float32
+    return (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce),
+            MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce, output_dtype=torch.float32))
 
 
 def describe_units(units: list[nn.Module]) -> str:

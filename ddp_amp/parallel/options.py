@@ -25,6 +25,13 @@ class ParallelOptions(ComponentOptions):
                             "size / R ranks; gradients are reduce-scattered within a replica and all-reduced "
                             "across replicas (R must divide the world size; 1 shards over every rank)",
                             limits=(1, INT_LIMIT))
+    shard_param_dtype: str = option("fp32", "with --shard: dtype each unit's parameters are all-gathered in: "
+                                    "fp32 (DDP's numerics exactly) or bf16 (half the gather traffic, bf16 "
+                                    "weights in every op; gradients still reduced in fp32 unless "
+                                    "--grad-comm-dtype says otherwise)", ("fp32", "bf16"))
+    cpu_offload: bool = option(False, "with --shard, CUDA only: keep parameters, gradients and optimizer "
+                               "state on the host (FSDP2's CPUOffloadPolicy); the optimizer steps on the "
+                               "CPU, so much slower, for models whose shards do not fit the GPU")
     # --- performance fast paths (measured by python -m ddp_amp.bench) ---
     compile: bool = option(False, "torch.compile the model (inside the autocast wrapper, under DDP) and "
                            "the loss; the first steps pay the compile time. Pays on transformers, not on "
@@ -43,9 +50,12 @@ class ParallelOptions(ComponentOptions):
                 if getattr(self, name):
                     raise UsageError(flag_of(name), True, "an option that works with --shard",
                                      f"{flag_of(name)} is not supported with --shard yet; drop one of them")
-        elif not self.reshard_after_forward or self.activation_checkpointing or self.replicate != 1:
-            name = next(name for name, default in (("activation_checkpointing", False),
-                                                   ("reshard_after_forward", True), ("replicate", 1))
-                        if getattr(self, name) != default)
+        elif (not self.reshard_after_forward or self.activation_checkpointing or self.replicate != 1
+              or self.cpu_offload or self.shard_param_dtype != "fp32"):
+            name = next(name for name, on in (("activation_checkpointing", self.activation_checkpointing),
+                                              ("reshard_after_forward", not self.reshard_after_forward),
+                                              ("replicate", self.replicate != 1),
+                                              ("shard_param_dtype", self.shard_param_dtype != "fp32"),
+                                              ("cpu_offload", self.cpu_offload)) if on)
             raise UsageError(flag_of(name), getattr(self, name), "--shard with it (it is a sharding option)",
                              "add --shard, or drop it")

@@ -59,6 +59,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan, precision: Precision, ctx:
     weight broadcast, or the ranks agreeing on the sharded layout)."""
     if plan.shard:
         _check_mesh(plan, ctx.mesh)
+    if plan.cpu_offload and ctx.device.type != "cuda":
+        # Offloading moves shards from a GPU to the host: on a CPU run there is nothing to free.
+        raise UsageError("--cpu-offload", True, "a CUDA device (it keeps a GPU run's shards on the host)",
+                         "drop --cpu-offload on a CPU run, or run with --device cuda")
     inner = model.to(ctx.device)
     if precision.float8_linears:
         inner = convert_linears(inner, emulate=precision.emulate_fp8)
@@ -71,7 +75,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, precision: Precision, ctx:
         inner = torch.compile(inner)  # type: ignore[assignment]  # of a module: an OptimizedModule
     if plan.shard:
         inner = shard_model(inner, units, mesh=ctx.mesh, reshard_after_forward=plan.reshard_after_forward,
-                            reduce_dtype=plan.reduce_dtype)
+                            reduce_dtype=plan.reduce_dtype, param_dtype=plan.gather_dtype,
+                            cpu_offload=plan.cpu_offload)
         wrapped: nn.Module = AutocastModule(inner, precision, cast_outputs_to_fp32=plan.cast_outputs_to_fp32)
         return Parallelized(wrapped, description, tuple(units))
     wrapped = AutocastModule(inner, precision, cast_outputs_to_fp32=plan.cast_outputs_to_fp32)
@@ -90,7 +95,9 @@ def _checkpoint_each(units: list[nn.Module]) -> None:
 
 def _sharded_description(plan: ParallelPlan, units: list[nn.Module], ctx: DistContext) -> str:
     extras = [text for on, text in ((plan.activation_checkpointing, "activation checkpointing per unit"),
-                                    (not plan.reshard_after_forward, "kept gathered from forward to backward"))
+                                    (not plan.reshard_after_forward, "kept gathered from forward to backward"),
+                                    (plan.param_dtype != "fp32", f"parameters gathered in {plan.param_dtype}"),
+                                    (plan.cpu_offload, "offloaded to the host"))
               if on]
     return (f"sharded{_replicas(plan, ctx)}: {describe_units(units)} and the model as the root"
             + (f" ({', '.join(extras)})" if extras else ""))

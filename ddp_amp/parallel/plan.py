@@ -21,6 +21,9 @@ from ddp_amp.parallel.fsdp import Units
 
 # --grad-comm-dtype: the dtype gradients cross the wire in (None: fp32, DDP's own all-reduce).
 COMM_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# --shard-param-dtype: the dtype a sharded unit's parameters are all-gathered in (None: as
+# stored, fp32, so autocast alone decides the numerics).
+PARAM_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,10 @@ class ShardOptions:
     # Replicas of the sharded model (HSDP): each shards it over world size / replicate
     # ranks, and gradients are averaged across replicas. The session lays its mesh out by it.
     replicate: int = 1
+    # The dtype parameters are all-gathered in: fp32 (DDP's numerics) or bf16 (half the bytes).
+    param_dtype: str = "fp32"
+    # Keep parameters, gradients and optimizer state on the host (CUDA runs only).
+    cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         if self.replicate < 1:
@@ -57,6 +64,11 @@ class ParallelPlan:
     """Sharded: free a unit's gathered weights after its forward; False keeps them to backward."""
     activation_checkpointing: bool = False
     """Sharded: recompute each unit's activations in backward instead of keeping them."""
+    param_dtype: str = "fp32"
+    """Sharded: the dtype parameters are all-gathered in, fp32 or bf16 (then gradients are
+    still reduced in fp32 unless grad_comm_dtype says otherwise)."""
+    cpu_offload: bool = False
+    """Sharded, CUDA only: parameters, gradients and optimizer state live on the host."""
     grad_comm_dtype: str = "fp32"
     """The dtype gradients are reduced in: fp32, bf16 or fp16 (DDP's comm hook, FSDP's
     reduce dtype)."""
@@ -87,6 +99,8 @@ class ParallelPlan:
                              "yet)", "leave tensor_parallel=None: replicate or shard the model instead")
         if self.grad_comm_dtype not in COMM_DTYPES:
             raise UsageError("--grad-comm-dtype", self.grad_comm_dtype, "one of " + ", ".join(COMM_DTYPES), "")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise UsageError("--shard-param-dtype", self.param_dtype, "one of " + ", ".join(PARAM_DTYPES), "")
         if self.shard:
             # What only DDP does, or sharding does not support yet, in the order setup takes it.
             refused = ["compile_model"] if self.compile else []
@@ -96,8 +110,12 @@ class ParallelPlan:
                 raise UsageError("setup option", refused[0], "an option of a sharded model",
                                  f"{refused[0]} is DDP's (or not supported with sharding yet); drop it, or drop "
                                  "sharding")
-        elif self.activation_checkpointing or not self.reshard_after_forward:
-            option = "activation_checkpointing" if self.activation_checkpointing else "reshard_after_forward"
+        elif self.activation_checkpointing or not self.reshard_after_forward or self.param_dtype != "fp32" \
+                or self.cpu_offload:
+            option = next(name for name, on in (("activation_checkpointing", self.activation_checkpointing),
+                                                ("reshard_after_forward", not self.reshard_after_forward),
+                                                ("param_dtype", self.param_dtype != "fp32"),
+                                                ("cpu_offload", self.cpu_offload)) if on)
             raise UsageError(f"ParallelPlan.{option}", getattr(self, option), "its default for a replicated model",
                              "these act per shard unit: set shard=True (--shard), or drop the option")
 
@@ -105,6 +123,11 @@ class ParallelPlan:
     def reduce_dtype(self) -> torch.dtype | None:
         """The dtype of `grad_comm_dtype`; None for fp32 (no compression)."""
         return COMM_DTYPES[self.grad_comm_dtype]
+
+    @property
+    def gather_dtype(self) -> torch.dtype | None:
+        """The dtype of `param_dtype`; None for fp32 (gathered as stored)."""
+        return PARAM_DTYPES[self.param_dtype]
 
     def ddp_keywords(self) -> dict[str, Any]:
         """The keywords DDP is made with, beyond the module and its device."""

@@ -95,7 +95,8 @@ class Session(SessionSaving):
         # A group the caller made before is the caller's to destroy; one we make is ours.
         owns_group = not dist.is_initialized()
         ctx = init_distributed(env, device, backend, timeout_s, group_of_one=self._shard is not None,
-                               liveness=self._liveness, replicate=self._shard.replicate if self._shard else 1)
+                               liveness=self._liveness, replicate=self._shard.replicate if self._shard else 1,
+                               host_collectives=self._shard is not None and self._shard.cpu_offload)
         try:
             self._precision = resolve_precision(precision, ctx.device, fp8_emulate)
             self._scaler = self._precision.make_scaler(**self._scaler_options)

@@ -71,6 +71,8 @@ class SessionModels:
                             reshard_after_forward=shard.reshard_after_forward if shard else True,
                             activation_checkpointing=shard.activation_checkpointing if shard else False,
                             replicate=shard.replicate if shard else 1,
+                            param_dtype=shard.param_dtype if shard else "fp32",
+                            cpu_offload=shard.cpu_offload if shard else False,
                             grad_comm_dtype=grad_comm_dtype, compile=compile_model,
                             cast_outputs_to_fp32=cast_outputs_to_fp32, ddp_options=rest, **named)
 

@@ -19,7 +19,9 @@ def shard_options(config: TrainConfig) -> ShardOptions | None:
     parallel = config.parallel_options()
     if not parallel.shard:
         return None
-    return ShardOptions(parallel.reshard_after_forward, parallel.activation_checkpointing, parallel.replicate)
+    return ShardOptions(parallel.reshard_after_forward, parallel.activation_checkpointing,
+                        replicate=parallel.replicate, param_dtype=parallel.shard_param_dtype,
+                        cpu_offload=parallel.cpu_offload)
 
 
 def session_for(config: TrainConfig) -> Session:
