@@ -36,7 +36,8 @@ def _kill_hook(kill_at: int, kill_rank: int, grad_accum: int, how: str, gil_s: i
     def hook(module: nn.Module, args: Any) -> None:
         calls[0] += 1
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if first_attempt and int(os.environ.get("RANK", "0")) == kill_rank and \
+        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))  # torchrun's, else srun's
+        if first_attempt and rank == kill_rank and \
                 calls[0] == kill_at * grad_accum + 1:
             if how == "hang":
                 threading.Event().wait()
