@@ -4,7 +4,7 @@ Every poll (`--watch-poll`, 0.5 s), the thread
 1. checks the launcher (launcher.py): once this worker's launcher is gone, it stops with
    one line: where it stopped and the last committed checkpoint (`--resume auto` goes on
    from there); the run lock goes with the process;
-2. tells the rank's heartbeat helper (heartbeat.py) its step and state, and reads its news:
+2. tells the rank's heartbeat helper (heartbeat.py) its state, and reads its news:
    another rank's failure (failure.py) ends this process quietly; a store that refuses
    connections while its host had not finished ends it with one line (a store hosted by
    rank 0 under plain srun goes with rank 0: the others must not be stranded);
