@@ -76,6 +76,7 @@ class PeerWatch:
         self._wake = threading.Event()
         self._stopping = False
         self._gave_up = threading.Event()
+        self._ending = threading.Lock()  # held by the one thread that says why this process stops
         self._thread: threading.Thread | None = None
 
     def start(self) -> PeerWatch:
@@ -108,8 +109,13 @@ class PeerWatch:
         out): wait until a judge names the silent peers (the failure it publishes ends this
         process), or until it is clear that no peer is silent (then return).
 
+        A launcher found gone ends this process at once with the watch's line: its store went
+        with it, so the error is likely the store's, met by the loop before the next poll.
+
         `show_error`: print the error's traceback first (--debug). Other errors return at once.
         """
+        if self._thread is not None and self.launcher.parent_gone():
+            self._stop_orphaned(self.launcher.describe_parent(), prints=self.local_rank == 0)
         kind = collective_failure(error)
         if kind is None or self._thread is None or self.store is None:
             return
@@ -202,6 +208,9 @@ class PeerWatch:
         _exit()
 
     def _stop_orphaned(self, what: str, prints: bool) -> None:
+        # The watch thread and the main thread (explain) may both find the launcher gone: the
+        # first prints and ends the process, the second waits here for that end.
+        self._ending.acquire()
         if prints:
             step, checkpoint = self.progress.step, self.progress.checkpoint
             where = f"; stopping at step {step}" if step is not None else "; stopping"
