@@ -37,9 +37,11 @@ def test_task_holds_out_the_tail_and_decays_the_lr_once_per_epoch() -> None:
     task = load_task("lm", config)
     assert len(task.train_data) == (18000 - 1) // 10  # type: ignore[arg-type]
     assert len(task.eval_data) == 199  # type: ignore[arg-type]
-    assert task.model.decoder.out_features == 300
+    assert task.model is None and task.build_model is not None  # built by the trainer (sharded under --shard)
+    model = task.build_model()
+    assert model.decoder.out_features == 300
     assert (task.default_lr, task.default_clip_grad_norm) == (5.0, 0.5)
-    optimizer = task.make_optimizer(task.model.parameters(), task.default_lr)  # type: ignore[misc]
+    optimizer = task.make_optimizer(model.parameters(), task.default_lr)  # type: ignore[misc]
     assert isinstance(optimizer, torch.optim.SGD)
     scheduler = task.make_scheduler(optimizer)  # type: ignore[misc]
     assert scheduler.step_size == len(task.train_data) // 16 and scheduler.gamma == 0.95  # type: ignore[attr-defined]

@@ -35,8 +35,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from ddp_amp.bench import (amp_recipe, checkpoint_stall, fastpaths, host, memory, overhead, resume, scale, table,
-                           transformer)
+from ddp_amp.bench import (amp_recipe, build_memory, checkpoint_stall, fastpaths, host, memory, overhead, resume,
+                           scale, table, transformer)
 from ddp_amp.bench.targets import check_report, check_text
 
 SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint", "memory", "resume", "scale")
@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
                         f"--memory-layers {memory.LAYERS}, about 50M parameters)")
     parser.add_argument("--memory-layers", type=int, default=memory.LAYERS,
                         help=f"memory: Linear layers in the stack (default: {memory.LAYERS})")
+    parser.add_argument("--build-width", type=int, default=build_memory.WIDTH,
+                        help=f"memory, peak while built and sharded: width of its Linear stack (default: "
+                        f"{build_memory.WIDTH}; with --build-layers {build_memory.LAYERS}, about 510M parameters)")
+    parser.add_argument("--build-layers", type=int, default=build_memory.LAYERS,
+                        help=f"memory, peak while built and sharded: Linear layers (default: {build_memory.LAYERS})")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per process (default: all cores for recipe trials, cores/ranks for ranks)")
     parser.add_argument("--check", action="store_true",
@@ -209,6 +214,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         section = memory.run(args.device, args.memory_width, args.memory_layers)
         report["sections"]["memory"] = section
         print("\n" + memory.memory_table(section), flush=True)
+        section["build"] = build_memory.run(args.device, args.build_width, args.build_layers)
+        print("\n" + build_memory.build_table(section["build"]), flush=True)
     if "resume" in args.sections:
         section = resume.run()
         report["sections"]["resume"] = section

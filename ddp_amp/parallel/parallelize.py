@@ -5,7 +5,8 @@
 
 The order, and why:
 1. to the device first, so every later step (and DDP's weight broadcast) sees the final
-   parameters;
+   parameters (a model built sharded, `meta_init`, moves its buffers only: its parameters
+   get storage, this rank's shards, once sharded in step 6);
 2. float8 conversion before anything records the module structure or compiles it: the
    compiled code then includes the float8 casts, and the units found next are the
    converted modules;
@@ -37,6 +38,7 @@ from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.parallel.ddp import comm_hook, wrap_ddp
 from ddp_amp.parallel.fsdp import describe_units, shard_model, shard_units
+from ddp_amp.parallel.meta_init import is_built_sharded, materialize
 from ddp_amp.parallel.plan import ParallelPlan
 
 
@@ -63,7 +65,12 @@ def parallelize(model: nn.Module, plan: ParallelPlan, precision: Precision, ctx:
         # Offloading moves shards from a GPU to the host: on a CPU run there is nothing to free.
         raise UsageError("--cpu-offload", True, "a CUDA device (it keeps a GPU run's shards on the host)",
                          "drop --cpu-offload on a CPU run, or run with --device cuda")
-    inner = model.to(ctx.device)
+    built_sharded = is_built_sharded(model)
+    if built_sharded and not plan.shard:
+        raise UsageError("model", type(model).__name__, "a model built for sharding to be sharded",
+                         "it was built with its parameters sliced for --shard; set up the session with shard=")
+    # A model built sharded has meta parameters until it is sharded: only its buffers move now.
+    inner = _buffers_to(model, ctx.device) if built_sharded else model.to(ctx.device)
     if precision.float8_linears:
         inner = convert_linears(inner, emulate=precision.emulate_fp8)
     units = shard_units(inner, plan.units) if plan.shard else []
@@ -77,6 +84,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, precision: Precision, ctx:
         inner = shard_model(inner, units, mesh=ctx.mesh, reshard_after_forward=plan.reshard_after_forward,
                             reduce_dtype=plan.reduce_dtype, param_dtype=plan.gather_dtype,
                             cpu_offload=plan.cpu_offload)
+        if built_sharded:
+            materialize(inner, ctx.device, built=model)
         wrapped: nn.Module = AutocastModule(inner, precision, cast_outputs_to_fp32=plan.cast_outputs_to_fp32)
         return Parallelized(wrapped, description, tuple(units))
     wrapped = AutocastModule(inner, precision, cast_outputs_to_fp32=plan.cast_outputs_to_fp32)
@@ -85,6 +94,13 @@ def parallelize(model: nn.Module, plan: ParallelPlan, precision: Precision, ctx:
         hook = comm_hook(plan.grad_comm_dtype, ctx.backend or "gloo")
         wrapped = wrap_ddp(wrapped, ctx.device, comm_hook=hook, **plan.ddp_keywords())
     return Parallelized(wrapped, description)
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> nn.Module:
+    for module in model.modules():
+        module._buffers.update({name: buffer.to(device) for name, buffer in module._buffers.items()
+                                if buffer is not None})
+    return model
 
 
 def _checkpoint_each(units: list[nn.Module]) -> None:

@@ -43,7 +43,7 @@ from ddp_amp.errors import UsageError
 from ddp_amp.guards import check_rank_sync
 from ddp_amp.metrics.trackers import Trackers, start_trackers_on_rank_zero
 from ddp_amp.checkpoint import Checkpointer
-from ddp_amp.parallel import ShardOptions, Units, fused_kernel_takes
+from ddp_amp.parallel import ShardOptions, Units, fused_kernel_takes, is_built_sharded
 from ddp_amp.session.models import SessionModels
 from ddp_amp.session.preemption import LoopPreemption, Signals
 from ddp_amp.session.saving import SessionSaving
@@ -242,9 +242,20 @@ class Session(SessionSaving):
         return self._made().setup(model, compile_model=compile_model, grad_comm_dtype=grad_comm_dtype,
                                   cast_outputs_to_fp32=cast_outputs_to_fp32, units=units, ddp_options=ddp_options)
 
+    def build_model(self, factory: Callable[[], nn.Module]) -> nn.Module:
+        """`factory()`, the model to pass to `setup`; a sharding session builds it without ever
+        holding it whole (collective): each rank keeps only the rows of each parameter its shard
+        will hold, equal to a plain build's from rank 0's random stream, and the parameters get
+        their storage in `setup`. Init code that cannot run on a shard is refused in one line."""
+        return self._made().build(factory)
+
     def describe(self, model: nn.Module) -> str:
         """What `setup` applied to `model`: 'replicated', or 'sharded: 2 x Block and the model as the root'."""
         return self._made().describe(model)
+
+    # Whether a model came from `build_model` under sharding and is not set up yet (it has no
+    # values to run on until then).
+    is_built_sharded = staticmethod(is_built_sharded)
 
     # Whether an optimizer's fused kernel takes a set-up model's parameters (sharded or not).
     fused_kernel_takes = staticmethod(fused_kernel_takes)

@@ -15,10 +15,12 @@ state and optimizer state a checkpoint writes sharded), and what was applied to 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -26,7 +28,8 @@ from ddp_amp.amp import AutocastModule, Precision, unwrap_model
 from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.distributed import is_sharded
-from ddp_amp.parallel import ParallelPlan, ShardOptions, Units, parallelize, release_ddp
+from ddp_amp.parallel import (ParallelPlan, ShardOptions, Units, build_sharded, is_built_sharded, parallelize,
+                              release_ddp, shard_slot)
 from ddp_amp.session.same_start import broadcast_from_rank_zero
 
 # DDP's keywords that are fields of the plan; the rest pass through as `ddp_options`.
@@ -50,7 +53,7 @@ class SessionModels:
                              "pass the model before wrapping; setup adds AutocastModule and DDP")
         plan = self.plan(compile_model=compile_model, grad_comm_dtype=grad_comm_dtype,
                          cast_outputs_to_fp32=cast_outputs_to_fp32, units=units, ddp_options=ddp_options)
-        if plan.shard and self.ctx.world_size > 1:
+        if plan.shard and self.ctx.world_size > 1 and not is_built_sharded(model):
             # As DDP does at construction: rank 0's init everywhere, whatever each rank seeded.
             broadcast_from_rank_zero(model.to(self.ctx.device))
         made = parallelize(model, plan, self.precision, self.ctx)
@@ -60,6 +63,22 @@ class SessionModels:
             self.sharded.append(unwrap_model(made.model))
         self._described[made.model] = made.description
         return made.model
+
+    def build(self, factory: Callable[[], nn.Module]) -> nn.Module:
+        """`factory()`, or under sharding each rank's shards of it only (collective; see `Session.build_model`)."""
+        if self.shard is None or self.ctx.mesh is None:
+            return factory()
+        own = torch.get_rng_state()
+        first = [own]
+        if self.ctx.world_size > 1:
+            # Rank 0's stream everywhere, as the rank-0 broadcast of a plain build gives: every
+            # rank's rows then come from one model. (An object broadcast works on NCCL too.)
+            dist.broadcast_object_list(first, src=0)
+            torch.set_rng_state(first[0])
+        model = build_sharded(factory, shard_slot(self.ctx.mesh))
+        if not torch.equal(own, first[0]):
+            torch.set_rng_state(own)  # ranks seeded apart keep their own streams (dropout, data order)
+        return model
 
     def plan(self, *, compile_model: bool, grad_comm_dtype: str, cast_outputs_to_fp32: bool, units: Units,
              ddp_options: dict[str, Any]) -> ParallelPlan:

@@ -57,7 +57,7 @@ class Task:
     Trainer reports it).
     """
 
-    model: nn.Module
+    model: nn.Module | None = None  # or build_model
     train_data: Dataset | None = None  # or make_loader
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     eval_data: Dataset | None = None  # scored by `metric` or `eval_fn`, else by its loss: eval_loss
@@ -93,6 +93,11 @@ class Task:
     # of the model returning its modules; None: the children of its largest nn.ModuleList,
     # else its direct children that hold parameters (ddp_amp/parallel/fsdp.py).
     shard_units: Units = None
+    # Instead of model: a function that builds it, called once per rank with torch seeded by
+    # --seed. Under --shard each rank builds only its shards' rows of every parameter (never
+    # the whole model; equal to a plain build's), so a model larger than one host's memory
+    # can be trained: ddp_amp/parallel/meta_init.py.
+    build_model: Callable[[], nn.Module] | None = None
 
 
 def parse_task_options(options: Mapping[str, str], defaults: Mapping[str, int | float]) -> dict[str, int | float]:
@@ -123,9 +128,15 @@ def _check_task(spec: str, task: object) -> Task:
     if not isinstance(task, Task):
         raise UsageError("--task", spec, f"a function returning ddp_amp.Task, got {type(task).__name__}",
                          "return ddp_amp.Task(model=..., train_data=..., loss_fn=...)")
-    if not isinstance(task.model, nn.Module):
+    if (task.model is None) == (task.build_model is None):
+        raise UsageError("--task", spec, "exactly one of Task.model and Task.build_model",
+                         "pass the module as model=, or a function that builds it as build_model=")
+    if task.model is not None and not isinstance(task.model, nn.Module):
         raise UsageError("--task", spec, f"Task.model to be a torch.nn.Module, got {type(task.model).__name__}",
                          "build the model in the task function and pass the module itself")
+    if task.build_model is not None and not callable(task.build_model):
+        raise UsageError("--task", spec, f"Task.build_model to be a function, got {type(task.build_model).__name__}",
+                         "pass the function itself (build_model=make_model), not its result")
     kind, colon, metric = task.schedule_on.partition(":") if isinstance(task.schedule_on, str) else ("", "", "")
     if kind not in ("step", "epoch", "eval") or (kind == "eval") != bool(colon and metric):
         raise UsageError("--task", spec, f"Task.schedule_on to be 'step', 'epoch' or 'eval:METRIC', "

@@ -183,14 +183,19 @@ def make_task(config: TrainConfig) -> Task:
     if len(eval_data) == 0:
         raise UsageError("--task-opt tokens", int(opts["tokens"]), f"enough words for a held-out chunk of bptt={bptt}",
                          "raise tokens (0 = the whole corpus) or lower bptt")
-    model = TransformerLM(len(vocab), int(opts["emsize"]), int(opts["nhead"]), int(opts["nhid"]),
-                          int(opts["nlayers"]), opts["dropout"])
+
+    def build_model() -> TransformerLM:
+        # Called with torch seeded by --seed (nothing above draws from it), as the model was
+        # when built here; under --shard each rank builds only its shards.
+        return TransformerLM(len(vocab), int(opts["emsize"]), int(opts["nhead"]), int(opts["nhid"]),
+                             int(opts["nlayers"]), opts["dropout"])
+
     # The example decays the LR once per epoch; the trainer steps the scheduler once per
     # optimizer step taken, so one epoch is this many steps.
     steps_per_epoch = max(1, len(train_data) // config.batch_size)
     return Task(
         shard_units=(nn.TransformerEncoderLayer,),
-        model=model,
+        build_model=build_model,
         train_data=train_data,
         eval_data=eval_data,
         loss_fn=lm_loss,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from ddp_amp.config import TrainConfig
 from ddp_amp.errors import UsageError
@@ -32,14 +33,16 @@ def prepare_task(config: TrainConfig, session: Session) -> Task:
     config.data_options().micro_batch_size(session.world_size)  # fail on a bad batch size before any work
     seed_everything(config.seed)  # same model init on every rank
     task = load_task(config.task, config)
-    check_metric_options(config, task, session)
+    if task.model is not None:  # else the model is built with the Trainer, which checks them then
+        check_metric_options(config, task, session)
     seed_everything(config.seed + session.rank)
     return task
 
 
-def check_metric_options(config: TrainConfig, task: Task, session: Session) -> None:
+def check_metric_options(config: TrainConfig, task: Task, session: Session, model: nn.Module | None = None) -> None:
     """`--keep-best` and `Task.schedule_on="eval:METRIC"` name metrics the task's evaluation
-    reports; a one-line UsageError where one does not (no collective)."""
+    reports; a one-line UsageError where one does not (no collective, except through a
+    sharded `model`, the task's own by default: every rank scores one item)."""
     wanted: dict[str, tuple[str, str, str]] = {}
     keep_best = config.checkpoint_options().keep_best
     if keep_best is not None:
@@ -51,7 +54,7 @@ def check_metric_options(config: TrainConfig, task: Task, session: Session) -> N
     if kind == "eval":
         wanted[metric] = ("Task.schedule_on", task.schedule_on, "schedule_on='eval:{name}'")
     if wanted:
-        check_metric_names(reported_metrics(task, session), wanted)
+        check_metric_names(reported_metrics(task, session, model), wanted)
 
 
 def build_trainer(session: Session, config: TrainConfig, run_log: RunLog | None = None, *,
@@ -63,4 +66,7 @@ def build_trainer(session: Session, config: TrainConfig, run_log: RunLog | None 
     a quiet one; without `checkpoint_root` nothing is saved.
     """
     task = task if task is not None else prepare_task(config, session)
-    return Trainer(session, config, task, run_log or QuietRunLog(session.rank), checkpoint_root)
+    trainer = Trainer(session, config, task, run_log or QuietRunLog(session.rank), checkpoint_root)
+    if task.model is None:  # built by the Trainer: its metrics could not be checked before
+        check_metric_options(config, task, session, session.unwrap(trainer.model))
+    return trainer

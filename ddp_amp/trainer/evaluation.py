@@ -115,13 +115,15 @@ def _items(batch: Any) -> int:
 
 
 @torch.no_grad()
-def reported_metrics(task: Task, session: Session) -> list[str]:
+def reported_metrics(task: Task, session: Session, model: nn.Module | None = None) -> list[str]:
     """The names an evaluation of `task` reports (`eval_...`), found by scoring one held-out
-    item on this process (no collective); the RNGs and the model's mode are left as they were."""
-    if task.eval_data is None:
+    item with `model` (the task's by default; no collective unless it is sharded); the RNGs
+    and the model's mode are left as they were."""
+    model = model if model is not None else task.model
+    if task.eval_data is None or model is None:
         return []
     device = session.device
-    model = task.model.to(device)
+    model = model.to(device)
     was_training = model.training
     model.eval()
     try:

@@ -57,6 +57,16 @@ def _called_in_step(model: nn.Module, batch_loss: BatchLoss) -> nn.Module:
     return model
 
 
+def build_task_model(session: Session, config: TrainConfig, task: Task) -> nn.Module:
+    """`Task.build_model`'s model, on torch seeded by `--seed` (each rank's streams are left as
+    they were); under --shard each rank builds only its shards of it (`Session.build_model`)."""
+    assert task.build_model is not None  # a Task has one of model and build_model
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(config.seed)
+        return session.build_model(task.build_model)
+
+
 class Trainer:
     """The task's model, optimizer and data on one rank of a session, and the loop over them."""
 
@@ -65,7 +75,8 @@ class Trainer:
         self.session, self.config, self.task, self.run_log = session, config, task, run_log
         ctx, self.device = session.ctx, session.device
         parallel, guard, data = config.parallel_options(), config.guard_options(), config.data_options()
-        self.model = session.setup(task.model, compile_model=parallel.compile, grad_comm_dtype=parallel.grad_comm_dtype,
+        model = task.model if task.model is not None else build_task_model(session, config, task)
+        self.model = session.setup(model, compile_model=parallel.compile, grad_comm_dtype=parallel.grad_comm_dtype,
                                    units=task.shard_units, **({"static_graph": True} if parallel.static_graph else {}))
         self.layout = session.describe(self.model)  # what the start line says of the model
         # After setup: sharding replaces each parameter by its shard (a DTensor), which the
