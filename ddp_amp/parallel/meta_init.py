@@ -334,7 +334,7 @@ def materialize(model: nn.Module, device: torch.device, built: nn.Module | None 
             continue
         buffers = dict(module._buffers)
         module.to_empty(device=device, recurse=False)
-        module._buffers.update({name: b.to(device) if b is not None else None for name, b in buffers.items()})
+        module._buffers.update(buffers)  # to_empty emptied them too: they were built for real
         for name, param in module.named_parameters(recurse=False):
             local = param.to_local() if isinstance(param, DTensor) else param
             mine = rows.pop(f"{module_name}.{name}" if module_name else name)

@@ -85,7 +85,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, precision: Precision, ctx:
                             reduce_dtype=plan.reduce_dtype, param_dtype=plan.gather_dtype,
                             cpu_offload=plan.cpu_offload)
         if built_sharded:
-            materialize(inner, ctx.device, built=model)
+            # Offloaded shards live on the host (FSDP2 moves each to the GPU for its unit's gather).
+            materialize(inner, torch.device("cpu") if plan.cpu_offload else ctx.device, built=model)
         wrapped: nn.Module = AutocastModule(inner, precision, cast_outputs_to_fp32=plan.cast_outputs_to_fp32)
         return Parallelized(wrapped, description, tuple(units))
     wrapped = AutocastModule(inner, precision, cast_outputs_to_fp32=plan.cast_outputs_to_fp32)
