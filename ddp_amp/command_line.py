@@ -60,6 +60,13 @@ def build_parser(prog: str = "python -m ddp_amp.train") -> argparse.ArgumentPars
             help_text += " [must match on resume]"
         if f.type in ("bool", bool):  # --compile and --no-compile: a flag can undo a file's true
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif f.metadata["bare"] is not None:  # --flag alone, --flag VALUE, --no-flag
+            default = text_of(defaults, f.name)
+            parser.add_argument(flag, nargs="?", const=f.metadata["bare"], default=default,
+                                help=help_text + f" (default: {default}; {flag} alone: {f.metadata['bare']})",
+                                metavar=f.name.upper())
+            parser.add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const=default,
+                                help=f"{flag} {default}")
         elif f.name == "task_opt":
             parser.add_argument(flag, action="append", default=[], metavar="KEY=VALUE", help=help_text)
         else:
@@ -137,10 +144,11 @@ def _blame_file(error: UsageError, path: str | None, file_only: set[str]) -> Usa
 _FILE_KINDS: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str, "tuple[str, ...]": tuple}
 
 
-def option_kinds() -> dict[str, type]:
+def option_kinds() -> dict[str, type | tuple[type, ...]]:
     """Every option a config file may set, by field name, with its value kind (the text a
     flag takes, for options written as text)."""
-    return {f.name: str if f.metadata["kind"] is not None else _FILE_KINDS[str(f.type)]
+    return {f.name: (bool, str) if f.metadata["bare"] is not None else
+            str if f.metadata["kind"] is not None else _FILE_KINDS[str(f.type)]
             for f in dataclasses.fields(TrainConfig)}
 
 

@@ -204,6 +204,8 @@ def same_setting(name: str, saved: Any, now: Any) -> bool:
     kind = TrainConfig.__dataclass_fields__[name].metadata["kind"]
     if isinstance(saved, list):  # JSON keeps tuples as lists
         saved = tuple(saved)
+    if kind is not None and isinstance(saved, bool):  # a switch that grew choices, as an older run saved it
+        saved = kind.text(saved)
     if kind is not None and isinstance(saved, str) and isinstance(now, str):
         try:
             return kind.parse(saved, flag_of(name)) == kind.parse(now, flag_of(name))

@@ -31,7 +31,7 @@ KIND_NAMES: dict[type, str] = {
 }
 
 
-def read_options(path: str, kinds: Mapping[str, type]) -> dict[str, Any]:
+def read_options(path: str, kinds: Mapping[str, type | tuple[type, ...]]) -> dict[str, Any]:
     """The options set in the TOML file `path`, by name, as values of `kinds[name]`.
 
     Raises UsageError for a missing or unreadable file, invalid TOML, an unknown key (with
@@ -85,15 +85,21 @@ def _load(path: str) -> dict[str, Any]:
         raise UsageError("--config", path, "a valid TOML file", str(error)) from None
 
 
-def _nearest_hint(name: str, kinds: Mapping[str, type]) -> str:
+def _nearest_hint(name: str, kinds: Mapping[str, Any]) -> str:
     close = difflib.get_close_matches(name, list(kinds), n=1)
     return f"did you mean {close[0]}?" if close else "keys are option names without --, e.g. max_steps"
 
 
-def _typed(where: str, value: Any, kind: type) -> Any:
+def _typed(where: str, value: Any, kind: type | tuple[type, ...]) -> Any:
     """`value` as the option's kind, or a UsageError. TOML types are kept strict (`"10"` is
     not an integer, `1` is not `true`); the one widening is an integer for a float option,
-    as `lr = 1` is how people write 1.0."""
+    as `lr = 1` is how people write 1.0. A switch that grew choices takes either kind."""
+    if isinstance(kind, tuple):
+        for one in kind:
+            if (one is bool) == isinstance(value, bool) and isinstance(value, one):
+                return value
+        raise UsageError(where, value, " or ".join(KIND_NAMES[one] for one in kind),
+                         f"this value is {_toml_type(value)} in TOML")
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if (kind is bool and isinstance(value, bool)) or (kind is str and isinstance(value, str)):
         return value

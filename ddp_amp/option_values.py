@@ -129,10 +129,14 @@ TEN_YEARS_S = 10 * 365 * 86400.0
 
 
 def option(default: Any, help: str, choices: tuple[str, ...] | None = None, resume: str = "notice",
-           kind: TextKind | None = None, launch: bool = False, limits: tuple[float, float] | None = None) -> Any:
+           kind: TextKind | None = None, launch: bool = False, limits: tuple[float, float] | None = None,
+           bare: str | None = None) -> Any:
     """A field: `help` is its --help text, `kind` turns its text into its typed value,
     `launch` marks an option about this launch rather than the run (left out of --print-config),
-    `limits` is a numeric option's inclusive range (zero, where allowed, means what `help` says).
+    `limits` is a numeric option's inclusive range (zero, where allowed, means what `help` says),
+    `bare` the value of the flag given without one (an option that was a switch and grew
+    choices: `--flag` alone keeps its meaning, `--no-flag` gives the default; a config file
+    may still write it as a boolean).
 
     `resume` says what a resume does where the option differs from the value the checkpoint
     was saved with: "match" refuses (unless named in --allow-change), "notice" applies the new
@@ -140,7 +144,7 @@ def option(default: Any, help: str, choices: tuple[str, ...] | None = None, resu
     with a notice), "free" is about this launch only and is not compared.
     """
     return field(default=default, metadata={"help": help, "choices": choices, "resume": resume, "kind": kind,
-                                            "launch": launch, "limits": limits})
+                                            "launch": launch, "limits": limits, "bare": bare})
 
 
 def flag_of(name: str) -> str:

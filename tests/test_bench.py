@@ -57,7 +57,9 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     result = _bench("--device", "cpu", "--scale", "0.004", "--batches", "2", "--epochs", "1",
                     "--blocks", "2", "--steps-per-block", "1", "--transformer-precisions", "fp32,fp8",
                     "--memory-width", "64", "--memory-layers", "4",
-                    "--build-width", "64", "--build-layers", "4", "--scale-ranks", "16", "--scale-silence", "2",
+                    "--build-width", "64", "--build-layers", "4",
+                    "--activation-width", "32", "--activation-layers", "2", "--activation-tokens", "16",
+                    "--scale-ranks", "16", "--scale-silence", "2",
                     "--check", "--json", str(out))
     assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-3000:]
     return result, json.loads(out.read_text())

@@ -31,7 +31,8 @@ def snapshot() -> dict[str, Any]:
     for action in build_parser()._actions:
         if isinstance(action, argparse._HelpAction):
             continue
-        flags[action.dest] = {
+        # A switch that grew choices has its --no- form as a second action of the same dest.
+        flags[action.dest if action.dest not in flags else action.option_strings[0]] = {
             "option_strings": list(action.option_strings), "action": type(action).__name__,
             "default": _jsonable(action.default), "type": getattr(action.type, "__name__", None),
             "choices": _jsonable(action.choices), "metavar": action.metavar, "help": action.help,
@@ -42,7 +43,8 @@ def snapshot() -> dict[str, Any]:
         "config_json": {key: _jsonable(value) for key, value in TrainConfig().to_dict().items()},
         "print_config_header": [line for line in toml_lines if line.startswith("#")],
         "print_config": dict(line.split(" = ", 1) for line in toml_lines if not line.startswith("#")),
-        "file_kinds": {name: kind.__name__ for name, kind in option_kinds().items()},
+        "file_kinds": {name: kind.__name__ if isinstance(kind, type) else " or ".join(one.__name__ for one in kind)
+                       for name, kind in option_kinds().items()},
         "must_match_on_resume": sorted(match_fields()),
     }
 

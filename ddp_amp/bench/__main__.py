@@ -35,8 +35,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from ddp_amp.bench import (amp_recipe, build_memory, checkpoint_stall, fastpaths, host, memory, overhead, resume,
-                           scale, table, transformer)
+from ddp_amp.bench import (activation_memory, amp_recipe, build_memory, checkpoint_stall, fastpaths, host, memory,
+                           overhead, resume, scale, table, transformer)
 from ddp_amp.bench.targets import check_report, check_text
 
 SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint", "memory", "resume", "scale")
@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--build-width", type=int, default=build_memory.WIDTH,
                         help=f"memory, peak while built and sharded: width of its Linear stack (default: "
                         f"{build_memory.WIDTH}; with --build-layers {build_memory.LAYERS}, about 510M parameters)")
+    parser.add_argument("--activation-width", type=int, default=activation_memory.WIDTH,
+                        help="memory, kept for backward per --activation-checkpointing mode: the lm model's width "
+                        "(default: %(default)s)")
+    parser.add_argument("--activation-layers", type=int, default=activation_memory.LAYERS,
+                        help="memory, kept for backward: the lm model's layers (default: %(default)s)")
+    parser.add_argument("--activation-tokens", type=int, default=activation_memory.TOKENS,
+                        help="memory, kept for backward: tokens per sequence (default: %(default)s)")
     parser.add_argument("--build-layers", type=int, default=build_memory.LAYERS,
                         help=f"memory, peak while built and sharded: Linear layers (default: {build_memory.LAYERS})")
     parser.add_argument("--threads", type=int, default=None,
@@ -216,6 +223,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print("\n" + memory.memory_table(section), flush=True)
         section["build"] = build_memory.run(args.device, args.build_width, args.build_layers)
         print("\n" + build_memory.build_table(section["build"]), flush=True)
+        section["activations"] = activation_memory.run(args.activation_width, args.activation_layers,
+                                                       args.activation_tokens)
+        print("\n" + activation_memory.activation_table(section["activations"]), flush=True)
     if "resume" in args.sections:
         section = resume.run()
         report["sections"]["resume"] = section

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ddp_amp.errors import UsageError
 from ddp_amp.option_values import INT_LIMIT, ComponentOptions, check_fields, flag_of, option
+from ddp_amp.parallel.plan import CHECKPOINTING, CHECKPOINTING_CHOICES
 
 
 @dataclass(frozen=True)
@@ -19,8 +20,12 @@ class ParallelOptions(ComponentOptions):
     reshard_after_forward: bool = option(True, "with --shard: free each unit's gathered weights after its forward "
                                          "and gather them again for backward (--no-reshard-after-forward keeps "
                                          "them, more memory, less communication)")
-    activation_checkpointing: bool = option(False, "with --shard: recompute each unit's activations in backward "
-                                            "instead of keeping them (less memory, one more forward per unit)")
+    activation_checkpointing: str = option("none", "with --shard: recompute each unit's activations in backward "
+                                           "instead of keeping them: full (all of them: least memory, one more "
+                                           "forward per unit) or selective (keep the matmul and attention outputs, "
+                                           "recompute the cheap ops between them: most of the memory saved for a "
+                                           "fraction of the time)", CHECKPOINTING_CHOICES, kind=CHECKPOINTING,
+                                           bare="full")
     replicate: int = option(1, "with --shard: R replicas of the sharded model (HSDP), each sharded over world "
                             "size / R ranks; gradients are reduce-scattered within a replica and all-reduced "
                             "across replicas (R must divide the world size; 1 shards over every rank)",
@@ -50,9 +55,9 @@ class ParallelOptions(ComponentOptions):
                 if getattr(self, name):
                     raise UsageError(flag_of(name), True, "an option that works with --shard",
                                      f"{flag_of(name)} is not supported with --shard yet; drop one of them")
-        elif (not self.reshard_after_forward or self.activation_checkpointing or self.replicate != 1
+        elif (not self.reshard_after_forward or self.activation_checkpointing != "none" or self.replicate != 1
               or self.cpu_offload or self.shard_param_dtype != "fp32"):
-            name = next(name for name, on in (("activation_checkpointing", self.activation_checkpointing),
+            name = next(name for name, on in (("activation_checkpointing", self.activation_checkpointing != "none"),
                                               ("reshard_after_forward", not self.reshard_after_forward),
                                               ("replicate", self.replicate != 1),
                                               ("shard_param_dtype", self.shard_param_dtype != "fp32"),

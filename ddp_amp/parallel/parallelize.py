@@ -12,7 +12,7 @@ The order, and why:
    converted modules;
 3. the units are found once, on the converted model, and both sharding and the
    description use that one list (described before sharding renames their classes);
-4. activation checkpointing per unit before sharding (torchtitan's order too): the
+4. activation checkpointing per unit (full or selective, `recompute`) before sharding (torchtitan's order too): the
    composable form keeps parameter names, so the sharded state's names stay the model's;
 5. compile the user's module alone (replicated only): autocast and DDP's hooks stay outside
    the compiled graph, which sees plain tensors;
@@ -40,6 +40,7 @@ from ddp_amp.parallel.ddp import comm_hook, wrap_ddp
 from ddp_amp.parallel.fsdp import describe_units, shard_model, shard_units
 from ddp_amp.parallel.meta_init import is_built_sharded, materialize
 from ddp_amp.parallel.plan import ParallelPlan
+from ddp_amp.parallel.recompute import checkpoint_units
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, precision: Precision, ctx:
     units = shard_units(inner, plan.units) if plan.shard else []
     # Described now: sharding changes each unit's class (FSDPLinear for a Linear).
     description = _sharded_description(plan, units, ctx) if plan.shard else "replicated"
-    if plan.activation_checkpointing:
-        _checkpoint_each(units)
+    checkpoint_units(units, str(plan.activation_checkpointing))
     if plan.compile:
         inner = torch.compile(inner)  # type: ignore[assignment]  # of a module: an OptimizedModule
     if plan.shard:
@@ -104,14 +104,10 @@ def _buffers_to(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-def _checkpoint_each(units: list[nn.Module]) -> None:
-    from torch.distributed._composable import checkpoint  # the composable form keeps parameter names
-    for unit in units:
-        checkpoint(unit)
-
-
 def _sharded_description(plan: ParallelPlan, units: list[nn.Module], ctx: DistContext) -> str:
-    extras = [text for on, text in ((plan.activation_checkpointing, "activation checkpointing per unit"),
+    recompute = {"full": "activation checkpointing per unit", "none": "",
+                 "selective": "selective activation checkpointing per unit"}[str(plan.activation_checkpointing)]
+    extras = [text for on, text in ((bool(recompute), recompute),
                                     (not plan.reshard_after_forward, "kept gathered from forward to backward"),
                                     (plan.param_dtype != "fp32", f"parameters gathered in {plan.param_dtype}"),
                                     (plan.cpu_offload, "offloaded to the host"))

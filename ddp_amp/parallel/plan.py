@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ddp_amp.errors import UsageError
+from ddp_amp.option_values import TextKind
 from ddp_amp.parallel.fsdp import Units
 
 # --grad-comm-dtype: the dtype gradients cross the wire in (None: fp32, DDP's own all-reduce).
@@ -24,6 +25,23 @@ COMM_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat
 # --shard-param-dtype: the dtype a sharded unit's parameters are all-gathered in (None: as
 # stored, fp32, so autocast alone decides the numerics).
 PARAM_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+# --activation-checkpointing: what each unit recomputes in backward. It was a switch: true and
+# false (a config file's, an older run's config.json) are full and none.
+CHECKPOINTING_CHOICES = ("none", "full", "selective")
+
+
+def checkpointing_mode(value: str | bool, where: str = "--activation-checkpointing") -> str:
+    """`value` as one of CHECKPOINTING_CHOICES (a bool as the switch meant it), or a one-line UsageError."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    mode = {"true": "full", "false": "none"}.get(value, value)
+    if mode not in CHECKPOINTING_CHOICES:
+        raise UsageError(where, value, "one of " + ", ".join(CHECKPOINTING_CHOICES),
+                         "selective keeps the matmul outputs and recomputes the rest; full recomputes everything")
+    return mode
+
+
+CHECKPOINTING = TextKind(checkpointing_mode, lambda mode: checkpointing_mode(mode))
 
 
 @dataclass(frozen=True)
@@ -33,8 +51,9 @@ class ShardOptions:
     # Free each unit's gathered weights after its forward and gather them again for its
     # backward (the memory FSDP saves); False keeps them from forward to backward.
     reshard_after_forward: bool = True
-    # Recompute each unit's activations in backward instead of keeping them.
-    activation_checkpointing: bool = False
+    # Recompute each unit's activations in backward instead of keeping them: "full", or
+    # "selective" (keep the matmul outputs); True is full, False and "none" keep them all.
+    activation_checkpointing: bool | str = False
     # Replicas of the sharded model (HSDP): each shards it over world size / replicate
     # ranks, and gradients are averaged across replicas. The session lays its mesh out by it.
     replicate: int = 1
@@ -44,6 +63,8 @@ class ShardOptions:
     cpu_offload: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "activation_checkpointing",
+                           checkpointing_mode(self.activation_checkpointing, "ShardOptions.activation_checkpointing"))
         if self.replicate < 1:
             raise UsageError("ShardOptions.replicate", self.replicate, "an integer >= 1",
                              "1 shards over every rank; R > 1 makes R replicas, each sharded")
@@ -62,8 +83,9 @@ class ParallelPlan:
     parameters."""
     reshard_after_forward: bool = True
     """Sharded: free a unit's gathered weights after its forward; False keeps them to backward."""
-    activation_checkpointing: bool = False
-    """Sharded: recompute each unit's activations in backward instead of keeping them."""
+    activation_checkpointing: bool | str = False
+    """Sharded: recompute each unit's activations in backward: "full", "selective" (keep the
+    outputs of matmuls and attention, recompute the rest), or "none" (False) to keep them."""
     param_dtype: str = "fp32"
     """Sharded: the dtype parameters are all-gathered in, fp32 or bf16 (then gradients are
     still reduced in fp32 unless grad_comm_dtype says otherwise)."""
@@ -91,6 +113,8 @@ class ParallelPlan:
     """A tensor-parallel plan (module name -> style); not implemented, None."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "activation_checkpointing",
+                           checkpointing_mode(self.activation_checkpointing, "ParallelPlan.activation_checkpointing"))
         if self.replicate != 1 and not self.shard:
             raise UsageError("ParallelPlan.replicate", self.replicate, "1 for a replicated model",
                              "replicas of a sharded model need shard=True (--shard); DDP replicates on every rank")
@@ -110,9 +134,9 @@ class ParallelPlan:
                 raise UsageError("setup option", refused[0], "an option of a sharded model",
                                  f"{refused[0]} is DDP's (or not supported with sharding yet); drop it, or drop "
                                  "sharding")
-        elif self.activation_checkpointing or not self.reshard_after_forward or self.param_dtype != "fp32" \
+        elif self.activation_checkpointing != "none" or not self.reshard_after_forward or self.param_dtype != "fp32" \
                 or self.cpu_offload:
-            option = next(name for name, on in (("activation_checkpointing", self.activation_checkpointing),
+            option = next(name for name, on in (("activation_checkpointing", self.activation_checkpointing != "none"),
                                                 ("reshard_after_forward", not self.reshard_after_forward),
                                                 ("param_dtype", self.param_dtype != "fp32"),
                                                 ("cpu_offload", self.cpu_offload)) if on)
