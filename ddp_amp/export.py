@@ -3,6 +3,7 @@
     python -m ddp_amp.export runs/x --to model.safetensors           # newest complete checkpoint
     python -m ddp_amp.export runs/x --best --to best.safetensors     # the --keep-best one
     python -m ddp_amp.export runs/x/checkpoints/step-00000400 --to model.safetensors
+    python -m ddp_amp.export runs/x --to hf-model/ --hf        # a Hugging Face model directory
 
 SOURCE is a run directory (the checkpoint `--resume auto` would pick: the newest whose
 manifest verifies), its `checkpoints/` folder (or any folder of `step-N` checkpoints a
@@ -18,6 +19,10 @@ once per name, so every name the module expects is in the file; non-tensor entri
 metadata holds the step, the run's precision, the task and the ddp_amp version. The file
 appears whole or not at all (temporary file, fsync, rename); an existing one is replaced
 only with `--force`. Needs safetensors: `pip install 'ddp_amp[export]'`.
+With `--hf` the output is a directory `transformers`' `from_pretrained` loads: the run's
+transformers config (recorded at its start in `hf_config.json`, or `--hf-config`) as
+`config.json`, and the weights as safetensors files of at most `--max-shard-size` with their
+index, a tied weight once (ddp_amp/checkpoint/hf_directory.py).
 Exit codes: 0 done, 2 bad input, a refused checkpoint or safetensors missing (one line on stderr).
 """
 
@@ -34,9 +39,9 @@ from typing import Any
 
 import torch
 
-from ddp_amp.checkpoint import (IncompleteCheckpoint, Meta, checkpoint_root, complete_copy, list_step_dirs, module_file,
-                                read_best, read_checkpoint, read_meta, resolve_resume, sharded_tensors,
-                                verify_checkpoint)
+from ddp_amp.checkpoint import (HF_CONFIG, IncompleteCheckpoint, Meta, checkpoint_root, complete_copy, list_step_dirs,
+                                module_file, parse_size, read_best, read_checkpoint, read_meta, resolve_resume,
+                                run_hf_config, sharded_tensors, verify_checkpoint, write_hf_directory)
 from ddp_amp.durable import write_atomic
 from ddp_amp.errors import UsageError
 from ddp_amp.version import __version__
@@ -284,6 +289,42 @@ def _describe_changes(exported: ExportedTensors) -> None:
               "defines get_extra_state needs strict=False or that state from elsewhere")
 
 
+def export_hf(source: Path, output: Path, *, best: bool = False, force: bool = False, module: str | None = None,
+              max_shard_size: str = "5GB", hf_config: Path | None = None) -> Path:
+    """Write the checkpoint `source` names as a Hugging Face model directory `output`; returns that checkpoint."""
+    backend = require_safetensors()
+    max_bytes = parse_size(max_shard_size)
+    checkpoint = locate_checkpoint(source, best, lambda message: _note(f"warning: {message}"))
+    config = _hf_config(checkpoint, hf_config)
+    state, _, step = read_model_state(checkpoint, module)
+    exported = storable_tensors(state)
+    # A tied weight once, under its first name, as save_pretrained writes it (the config ties it).
+    tensors = {name: tensor for name, tensor in exported.tensors.items() if name not in exported.shared}
+    files = write_hf_directory(output, tensors, config, max_bytes, backend, force)
+    print(f"ddp_amp: exported step {step} of {checkpoint} ({len(tensors)} tensors in {len(files)} "
+          f"file{'s' if len(files) > 1 else ''}) as a Hugging Face model directory {output}", flush=True)
+    return checkpoint
+
+
+def _hf_config(checkpoint: Path, given: Path | None) -> dict[str, Any]:
+    """The transformers config to write: `--hf-config`'s (a config.json or a directory with one),
+    else the one the run recorded."""
+    if given is not None:
+        path = given / "config.json" if given.is_dir() else given
+        try:
+            loaded = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise UsageError("--hf-config", str(given), "a transformers config.json, or a directory with one",
+                             f"{type(error).__name__}: {error}"[:200]) from None
+        if isinstance(loaded, dict):
+            return loaded
+    recorded = run_hf_config(checkpoint)
+    if recorded is None:
+        raise UsageError("--hf", str(checkpoint), f"a run whose model is a transformers model (its {HF_CONFIG})",
+                         "this run recorded no transformers config; name one with --hf-config DIR_OR_CONFIG_JSON")
+    return recorded
+
+
 def export(source: Path, output: Path, *, best: bool = False, force: bool = False,
            module: str | None = None) -> Path:
     """Write the weights of the checkpoint `source` names to `output`; returns that checkpoint."""
@@ -304,7 +345,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("source", metavar=SOURCE, type=Path,
                         help="a run directory (its newest complete checkpoint) or one checkpoints/step-N")
     parser.add_argument("--to", required=True, type=Path, metavar="FILE",
-                        help="the .safetensors file to write")
+                        help="the .safetensors file to write (with --hf: the model directory)")
+    parser.add_argument("--hf", action="store_true",
+                        help="write a Hugging Face model directory (config.json, safetensors files and their "
+                        "index) that transformers' from_pretrained loads, for a run of a transformers model")
+    parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                        help="with --hf: the largest weights file (default: %(default)s)")
+    parser.add_argument("--hf-config", type=Path, default=None, metavar="PATH",
+                        help="with --hf: the config.json to write (or a directory with one), instead of the "
+                        "one the run recorded")
     parser.add_argument("--best", action="store_true",
                         help="export the checkpoint --keep-best kept (checkpoints/best.json) instead")
     parser.add_argument("--force", action="store_true", help="replace FILE if it exists")
@@ -313,7 +362,11 @@ def main(argv: list[str] | None = None) -> int:
                         "'model', or its only one)")
     args = parser.parse_args(argv)
     try:
-        export(args.source, args.to, best=args.best, force=args.force, module=args.module)
+        if args.hf:
+            export_hf(args.source, args.to, best=args.best, force=args.force, module=args.module,
+                      max_shard_size=args.max_shard_size, hf_config=args.hf_config)
+        else:
+            export(args.source, args.to, best=args.best, force=args.force, module=args.module)
     except UsageError as error:
         print(f"ddp_amp: error: {error}", file=sys.stderr, flush=True)
         return 2

@@ -15,6 +15,7 @@ kept); 75 stopped by a requeue signal with the checkpoint committed (requeued un
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -27,14 +28,16 @@ from ddp_amp.startup_signals import EarlySignals
 # would end the process. The options' own signals take over in main() once they are read.
 _STARTUP = EarlySignals((signal.SIGUSR1, signal.SIGTERM)) if __name__ == "__main__" else None
 
-from ddp_amp.checkpoint import checkpoint_root, ensure_writable
+from torch import nn
+
+from ddp_amp.checkpoint import HF_CONFIG, checkpoint_root, ensure_writable, list_step_dirs, weight_files
 from ddp_amp.command_line import config_toml, parse_command_line
 from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import agreed_origin, on_every_rank, publish_failure
 from ddp_amp.env import detect_env
 from ddp_amp.errors import CheckpointError, TrainingHalted, UsageError
 from ddp_amp.guards import exit_code_for
-from ddp_amp.metrics import make_run_log
+from ddp_amp.metrics import RunLog, make_run_log
 from ddp_amp.session import Session
 from ddp_amp.tasks import Task
 from ddp_amp.trainer import build_trainer, prepare_task
@@ -56,6 +59,10 @@ def train(config: TrainConfig, session: Session) -> dict[str, Any]:
     # A task that fails to build on some ranks only fails on every rank, with its message.
     task = on_every_rank(lambda: prepare_task(config, session))  # before anything is written
     run_dir = run_directory(config, session)
+    if _starts_fresh(config, run_dir) and config.checkpoint_options().init_weights:
+        # The pretrained weights exist and read as weights (their headers only), before anything is
+        # written; a resume takes its checkpoint's weights, so their files may be gone by then.
+        on_every_rank(lambda: weight_files(config.checkpoint_options().init_weights))
     explicit = plan_resume(config, run_dir, session) if config.resume not in ("auto", "none") else None
     lock = lock_run_directory(run_dir, session)  # a second job on this directory stops here
     try:
@@ -74,6 +81,9 @@ def _train_in(run_dir: Path, plan: ResumePlan, config: TrainConfig, session: Ses
         trainer = build_trainer(session, config, run_log, task=task, checkpoint_root=ckpt_root)
         if plan.checkpoint is not None:  # its last checks (shapes, optimizer) before any write
             trainer.load_checkpoint(plan.checkpoint)
+        elif config.checkpoint_options().init_weights:  # a fresh start from pretrained weights
+            start = config.checkpoint_options()
+            on_every_rank(lambda: trainer.load_initial_weights(start.init_weights, start.init_weights_strict))
         run_log.info(f"task={task.name} world_size={ctx.world_size} device={ctx.device} "
                      f"backend={ctx.backend or 'none'} precision={precision.name} ({precision.reason}) "
                      f"model={trainer.layout} run_dir={run_dir} start: {plan.describe()}")
@@ -82,6 +92,7 @@ def _train_in(run_dir: Path, plan: ResumePlan, config: TrainConfig, session: Ses
         run_log.write_json("config.json", {"config": config.to_dict(), "env": vars(ctx.env),
                                            "device": str(ctx.device), "backend": ctx.backend,
                                            "precision": precision.name, "model": trainer.layout})
+        _record_hf_config(run_log, session.unwrap(trainer.model))
         # Records past the step we start from belong to a lost attempt: drop them, so a
         # requeued run neither duplicates nor misses steps. A fresh start drops them all
         # (its step-0 records, such as the first evaluation, are written again).
@@ -98,6 +109,21 @@ def _train_in(run_dir: Path, plan: ResumePlan, config: TrainConfig, session: Ses
         return summary
     finally:
         run_log.close()
+
+
+def _starts_fresh(config: TrainConfig, run_dir: Path) -> bool:
+    """Whether this launch will start from step 0 (no checkpoint to resume from), as far as
+    can be told before the run directory is locked."""
+    return config.resume == "none" or (config.resume == "auto" and not list_step_dirs(checkpoint_root(run_dir)))
+
+
+def _record_hf_config(run_log: RunLog, model: nn.Module) -> None:
+    """A transformers model's config, for `export --hf` to write as the model directory's config.json."""
+    hf_config: Any = getattr(model, "config", None)
+    if hasattr(hf_config, "to_json_string"):
+        recorded = json.loads(hf_config.to_json_string())
+        recorded["architectures"] = [type(model).__name__]  # the class from_pretrained rebuilds
+        run_log.write_json(HF_CONFIG, recorded)
 
 
 def main(argv: list[str] | None = None, exiting: bool = False) -> int:

@@ -18,12 +18,20 @@ and trains on the output's `.loss`, the loss the model computes itself (it shift
 labels by one position). The held-out metric is perplexity.
 
 Task options (`--task-opt KEY=VALUE`): width, layers, heads, seq (positions predicted per
-item), vocab (keep the N most frequent words), tokens (use only the first N words, 0 = all).
+item), vocab (keep the N most frequent words), tokens (use only the first N words, 0 = all),
+model (a Hugging Face model directory or hub name: its architecture and config instead of the
+small Llama; width, layers and heads are then the model's).
+
+Fine-tuning a pretrained model: `--task-opt model=DIR --init-weights DIR` builds the model
+from DIR's config (under --shard each rank builds only its shards: `build_model`), then loads
+DIR's weights, each rank reading only the slices it holds; `python -m ddp_amp.export RUN --to
+OUT --hf` hands back a directory `from_pretrained` loads. README.md, "Fine-tuning a Hugging
+Face model", has the commands for one node and for Slurm.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,12 +42,13 @@ from ddp_amp.tasks import parse_task_options
 from ddp_amp.tasks.lm import build_vocab, corpus_text, perplexity, tokenize
 
 if TYPE_CHECKING:
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM, PretrainedConfig
 
 SPEC = "examples.hf_causal_lm:make_task"
 # Small enough that the CLI's default 200 steps take under half a minute in fp32 on one CPU
 # core (bf16/fp16 autocast is several times slower on CPUs without low-precision units).
-DEFAULTS: dict[str, int] = {"width": 64, "layers": 2, "heads": 2, "seq": 32, "vocab": 1000, "tokens": 0}
+DEFAULTS: dict[str, int | str] = {"width": 64, "layers": 2, "heads": 2, "seq": 32, "vocab": 1000, "tokens": 0,
+                                  "model": ""}
 HELD_OUT = 0.1
 
 
@@ -76,9 +85,11 @@ def sum_nll(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple
     return {"nll": (nll, targets.numel())}
 
 
-def read_options(config: TrainConfig) -> dict[str, int]:
-    values = {key: int(value) for key, value in parse_task_options(config.task_options(), DEFAULTS).items()}
+def read_options(config: TrainConfig) -> dict[str, Any]:
+    values: dict[str, Any] = dict(parse_task_options(config.task_options(), DEFAULTS))
     for key, value in values.items():
+        if key == "model":
+            continue
         low = 0 if key == "tokens" else 2 if key == "vocab" else 1
         if value < low:
             raise UsageError(f"--task-opt {key}", value, f"an integer >= {low}",
@@ -89,7 +100,7 @@ def read_options(config: TrainConfig) -> dict[str, int]:
     return values
 
 
-def build_model(vocab_size: int, opts: dict[str, int]) -> LlamaForCausalLM:
+def build_small_llama(vocab_size: int, opts: dict[str, Any]) -> LlamaForCausalLM:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -108,28 +119,61 @@ def build_model(vocab_size: int, opts: dict[str, int]) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
+def pretrained_config(name: str) -> PretrainedConfig:
+    """The config of `--task-opt model=NAME_OR_DIR` (a Hugging Face model directory, or a hub
+    name where the hub is reachable), for the training context `seq` asks for."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        raise UsageError("--task-opt model", name, "a Hugging Face model directory (its config.json) or hub name",
+                         f"{type(error).__name__}: {str(error).splitlines()[0][:160]}") from None
+    config.use_cache = False  # no generation here: a key/value cache would only cost memory
+    return config
+
+
+def word_ids(words: list[str], split: int, vocab_size: int) -> tuple[torch.Tensor, int]:
+    """The word stream as ids of the training part's most frequent words (0 is <unk>)."""
+    vocab = build_vocab(words[:split], vocab_size)  # held-out words never enter the vocabulary
+    return torch.tensor([vocab.get(word, 0) for word in words], dtype=torch.long), len(vocab)
+
+
 def make_task(config: TrainConfig) -> Task:
-    """Called once per rank; the trainer has seeded torch, so every rank builds the same model."""
+    """Called once per rank; the model is built by `build_model`, which the trainer calls with
+    torch seeded by --seed (under --shard each rank builds only its shards of it)."""
     opts = read_options(config)
     # First, so that a missing package is reported before any work, with how to install it.
     try:
         import transformers  # noqa: F401
     except ImportError:
         raise UsageError("--task", SPEC, "the transformers package installed", "pip install 'ddp_amp[hf]'") from None
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     words = tokenize(corpus_text())
     if opts["tokens"]:
         words = words[:opts["tokens"]]
     split = int(len(words) * (1 - HELD_OUT))
-    vocab = build_vocab(words[:split], opts["vocab"])  # held-out words never enter the vocabulary
-    ids = torch.tensor([vocab.get(word, 0) for word in words], dtype=torch.long)  # 0 is <unk>
     seq = opts["seq"]
+    if opts["model"]:
+        model_config = pretrained_config(opts["model"])
+        # The word-level vocabulary, as many of its words as the model has ids for (a
+        # pretrained tokenizer's ids would carry its own meaning: this is a fine-tuning
+        # recipe's shape, on the corpus that ships with Python).
+        ids, vocab_size = word_ids(words, split, min(opts["vocab"], model_config.vocab_size))
+
+        def build_model() -> nn.Module:
+            from transformers import AutoModelForCausalLM
+            return AutoModelForCausalLM.from_config(model_config)
+    else:
+        ids, vocab_size = word_ids(words, split, opts["vocab"])
+
+        def build_model() -> nn.Module:
+            return build_small_llama(vocab_size, opts)
     train_data, eval_data = CausalLMWindows(ids[:split], seq), CausalLMWindows(ids[split:], seq)
     if len(eval_data) == 0:
         raise UsageError("--task-opt tokens", opts["tokens"], f"enough words for a held-out window of seq={seq}",
                          "raise tokens (0 = the whole corpus) or lower seq")
     return Task(
-        model=build_model(len(vocab), opts),
+        build_model=build_model,
         train_data=train_data,
         eval_data=eval_data,
         eval_fn=sum_nll,
@@ -141,8 +185,9 @@ def make_task(config: TrainConfig) -> Task:
         default_lr=3e-3,  # AdamW (the trainer's default optimizer), unless --lr is given
         tokens_per_sample=seq,
         # --shard: each decoder layer is a unit (its parameters gathered just for it), the
-        # embeddings, final norm and tied head are in the root's.
-        shard_units=(LlamaDecoderLayer,),
+        # embeddings, final norm and tied head are in the root's. Found as the children of the
+        # model's largest ModuleList, whatever the architecture of a pretrained model.
+        shard_units=None,
         name="hf_causal_lm",
     )
 

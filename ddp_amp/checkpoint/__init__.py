@@ -20,6 +20,10 @@
 - `save` / `load`: the collective save and read-and-agree underneath the Checkpointer;
 - `background` / `staging`: the same save with the write in a thread on rank 0, from a host
   copy of the state (`--async-checkpoint`);
+- `hf_directory`: a Hugging Face model directory (config, sharded safetensors, index) from a
+  state dict (`export --hf`);
+- `pretrained`: pretrained weights (safetensors, a Hugging Face model directory) into a
+  model by name, each rank reading only the slices it holds (`--init-weights`);
 - `sharded` / `sharded_reader`: a checkpoint whose sharded state each rank writes its part
   of (FSDP2, with torch.distributed.checkpoint), committed by rank 0 once every part is whole.
 
@@ -36,14 +40,17 @@ from ddp_amp.checkpoint.layout import SavedState, module_file
 from ddp_amp.checkpoint.load import read_checkpoint
 from ddp_amp.checkpoint.manifest import IncompleteCheckpoint, verify_checkpoint
 from ddp_amp.checkpoint.meta import Meta, read_meta
+from ddp_amp.checkpoint.hf_directory import HF_CONFIG, parse_size, run_hf_config, write_hf_directory
+from ddp_amp.checkpoint.pretrained import LoadedWeights, load_pretrained, weight_files
 from ddp_amp.checkpoint.retention import apply_retention
 from ddp_amp.checkpoint.safe_types import safe_load
 from ddp_amp.checkpoint.save import ensure_writable
 from ddp_amp.checkpoint.sharded import sharded_tensors
 
 __all__ = [
-    "BestRecord", "Checkpointer", "IncompleteCheckpoint", "Meta", "Saved", "SavedState", "apply_retention",
-    "checkpoint_root", "commit_checkpoint", "commit_directory", "complete_copy", "ensure_writable",
-    "list_step_dirs", "module_file", "newest_complete", "read_best", "read_checkpoint", "read_meta",
-    "resolve_resume", "safe_load", "sharded_tensors", "step_dir_name", "verify_checkpoint", "write_best",
+    "HF_CONFIG", "BestRecord", "Checkpointer", "IncompleteCheckpoint", "LoadedWeights", "Meta", "Saved", "SavedState",
+    "apply_retention", "checkpoint_root", "commit_checkpoint", "commit_directory", "complete_copy", "ensure_writable",
+    "list_step_dirs", "load_pretrained", "module_file", "newest_complete", "parse_size", "read_best",
+    "read_checkpoint", "read_meta", "resolve_resume", "run_hf_config", "safe_load", "sharded_tensors",
+    "step_dir_name", "verify_checkpoint", "weight_files", "write_best", "write_hf_directory",
 ]

@@ -26,6 +26,13 @@ class CheckpointOptions(ComponentOptions):
     archive_checkpoints: bool = option(False, "with --resume none: move the run directory's checkpoints "
                                        "to checkpoints-archived-<time>/ before the first step", resume="free",
                                        launch=True)
+    init_weights: str = option("", "PATH: start a fresh run from pretrained weights, by name: a .safetensors "
+                               "file or a Hugging Face model directory (model.safetensors, or an index and several "
+                               "files); each rank reads only the slices it holds under --shard. A resume takes "
+                               "its checkpoint's weights instead", resume="free")
+    init_weights_strict: bool = option(True, "with --init-weights: refuse a model name the files lack, or a file "
+                                       "name the model lacks (--no-init-weights-strict loads what matches and "
+                                       "keeps the init of the rest)", resume="free")
     async_checkpoint: bool = option(False, "write the --ckpt-every checkpoints in the background: training "
                                     "waits only for a host copy of the state, rank 0 writes it while the next "
                                     "steps run (one save in flight; the final, preemption and --keep-best saves "

@@ -42,7 +42,7 @@ from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import check_rank_sync
 from ddp_amp.metrics.trackers import Trackers, start_trackers_on_rank_zero
-from ddp_amp.checkpoint import Checkpointer
+from ddp_amp.checkpoint import Checkpointer, LoadedWeights, load_pretrained, weight_files
 from ddp_amp.parallel import ShardOptions, Units, fused_kernel_takes, is_built_sharded
 from ddp_amp.session.models import SessionModels
 from ddp_amp.session.preemption import LoopPreemption, Signals
@@ -248,6 +248,16 @@ class Session(SessionSaving):
         will hold, equal to a plain build's from rank 0's random stream, and the parameters get
         their storage in `setup`. Init code that cannot run on a shard is refused in one line."""
         return self._made().build(factory)
+
+    def load_weights(self, model: nn.Module, source: str | os.PathLike[str], strict: bool = True) -> LoadedWeights:
+        """Fill a set-up model's weights from `source` by name: a .safetensors file or a Hugging
+        Face model directory (an index and several files); a sharded model's ranks each read
+        only the rows they hold. Strict: a missing, unexpected or misshapen name is a one-line
+        UsageError (`strict=False` loads what matches). No collective."""
+        return load_pretrained(unwrap_model(model), Path(source), strict)
+
+    # The tensor names of a weights source, by file; a one-line UsageError for a bad one.
+    weight_files = staticmethod(weight_files)
 
     def describe(self, model: nn.Module) -> str:
         """What `setup` applied to `model`: 'replicated', or 'sharded: 2 x Block and the model as the root'."""

@@ -100,7 +100,8 @@ class Task:
     build_model: Callable[[], nn.Module] | None = None
 
 
-def parse_task_options(options: Mapping[str, str], defaults: Mapping[str, int | float]) -> dict[str, int | float]:
+def parse_task_options(options: Mapping[str, str],
+                       defaults: Mapping[str, int | float | str]) -> dict[str, Any]:
     """`--task-opt KEY=VALUE` pairs over a task's defaults, each converted to its default's type.
 
     Unknown keys and values that do not convert raise a UsageError; range checks are the
@@ -110,18 +111,22 @@ def parse_task_options(options: Mapping[str, str], defaults: Mapping[str, int | 
     if unknown:
         example = next(iter(defaults))
         raise UsageError("--task-opt", unknown[0], "one of " + ", ".join(defaults),
-                         f"e.g. --task-opt {example}={defaults[example]:g}")
-    values = dict(defaults)
+                         f"e.g. --task-opt {example}={_shown(defaults[example])}")
+    values: dict[str, Any] = dict(defaults)
     for key, raw in options.items():
         kind = type(defaults[key])
         try:
             values[key] = kind(raw)
         except ValueError:
             raise UsageError(f"--task-opt {key}", raw, "an integer" if kind is int else "a number",
-                             f"e.g. --task-opt {key}={defaults[key]:g}") from None
-        if not math.isfinite(values[key]):
+                             f"e.g. --task-opt {key}={_shown(defaults[key])}") from None
+        if kind is not str and not math.isfinite(values[key]):
             raise UsageError(f"--task-opt {key}", raw, "a finite number", f"e.g. --task-opt {key}={defaults[key]:g}")
     return values
+
+
+def _shown(default: int | float | str) -> str:
+    return default if isinstance(default, str) else f"{default:g}"
 
 
 def _check_task(spec: str, task: object) -> Task:

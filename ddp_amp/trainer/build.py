@@ -16,7 +16,7 @@ from ddp_amp.option_values import METRIC_GOAL
 from ddp_amp.session import Session
 from ddp_amp.tasks import Task, load_task
 from ddp_amp.trainer.evaluation import check_metric_names, reported_metrics
-from ddp_amp.trainer.loop import Trainer
+from ddp_amp.trainer.loop import Trainer, build_task_model
 
 
 def seed_everything(seed: int) -> None:
@@ -33,7 +33,9 @@ def prepare_task(config: TrainConfig, session: Session) -> Task:
     config.data_options().micro_batch_size(session.world_size)  # fail on a bad batch size before any work
     seed_everything(config.seed)  # same model init on every rank
     task = load_task(config.task, config)
-    if task.model is not None:  # else the model is built with the Trainer, which checks them then
+    if task.build_model is not None and not session.sharded:
+        task.model = build_task_model(session, config, task)
+    if task.model is not None:  # else it is built sharded with the Trainer, which checks them then
         check_metric_options(config, task, session)
     seed_everything(config.seed + session.rank)
     return task

@@ -332,6 +332,15 @@ class Trainer:
         """Commit a checkpoint of the current step (collective); see RunCheckpoints.save."""
         return self.checkpoints.save(self.step, self.samples_seen, background=background)
 
+    def load_initial_weights(self, source: str, strict: bool = True) -> None:
+        """A fresh run's pretrained weights (`--init-weights`), over the model's init (no
+        collective: each rank reads the slices it holds)."""
+        loaded = self.session.load_weights(self.model, source, strict)
+        left = f", {len(loaded.missing)} left as initialised" if loaded.missing else ""
+        ignored = f", {len(loaded.unexpected)} of the files' ignored" if loaded.unexpected else ""
+        self.run_log.info(f"initial weights from {source}: {loaded.tensors} tensors, "
+                          f"{loaded.bytes_read:,} bytes read on rank {self.session.rank}{left}{ignored}")
+
     def load_checkpoint(self, path: Path) -> None:
         """Restore model, optimizer, scaler, scheduler, counters, data position and this
         rank's RNG from checkpoint directory `path` (collective)."""

@@ -37,3 +37,4 @@ def check_options(config: TrainConfig) -> None:
     UsageError before a process group or a file exists."""
     for spec in config.log_options().tracker:
         check_tracker_spec(spec)
+

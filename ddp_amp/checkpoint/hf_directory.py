@@ -1,0 +1,118 @@
+"""A Hugging Face model directory from a state dict: what `export --hf` writes.
+
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` reads `config.json` (the model's
+configuration: its `model_type` picks the class) and the weights: `model.safetensors`, or,
+past the shard size, `model-0000K-of-0000N.safetensors` files with
+`model.safetensors.index.json` mapping each name to its file, the layout `save_pretrained`
+writes and `--init-weights` reads. A weight that is another's (tied: an LM head that is its
+embedding) is written once, under its first name, as `save_pretrained` writes it; the
+configuration says it is tied.
+
+The configuration comes from the run: a run whose model carries a transformers config
+(`model.config`) has it written to `hf_config.json` in its run directory when it starts.
+The directory appears whole or not at all (written under a temporary name, then renamed);
+an existing one is replaced only when asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ddp_amp.checkpoint.pretrained import INDEX, SINGLE
+from ddp_amp.durable import fsync_dir
+from ddp_amp.errors import UsageError
+
+HF_CONFIG = "hf_config.json"  # in a run directory: the transformers config of its model
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '20KiB' or a number of bytes; a one-line UsageError otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise UsageError("--max-shard-size", text, "a size such as 5GB, 500MB or 20KiB",
+                         "the largest weights file to write; a bigger tensor gets a file of its own")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def run_hf_config(checkpoint: Path) -> dict[str, Any] | None:
+    """The transformers config recorded by the run that wrote `checkpoint` (its run directory
+    is two levels up: RUN/checkpoints/step-N), or None."""
+    for folder in (checkpoint.parent.parent, checkpoint.parent, checkpoint):
+        path = folder / HF_CONFIG
+        if path.is_file():
+            loaded = json.loads(path.read_text())
+            return loaded if isinstance(loaded, dict) else None
+    return None
+
+
+def plan_files(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """The names in each weights file, in order, none over `max_bytes` unless one tensor is."""
+    files: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if files[-1] and size + nbytes > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    return files
+
+
+def write_hf_directory(output: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], max_bytes: int,
+                       backend: ModuleType, force: bool) -> list[str]:
+    """Write the directory (see the module's docstring); the weights files' names."""
+    if output.exists() and not output.is_dir():
+        raise UsageError("--to", str(output), "a directory path", "with --hf the output is a model directory")
+    if output.exists() and not force:
+        raise UsageError("--to", str(output), "a path with nothing there yet",
+                         "pass --force to replace it, or choose another --to")
+    groups = plan_files(tensors, max_bytes)
+    names = [SINGLE] if len(groups) == 1 else [f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+                                               for k in range(1, len(groups) + 1)]
+    scratch = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    try:
+        _write(scratch / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+        for file_name, group in zip(names, groups):
+            _write(scratch / file_name, backend.save({name: tensors[name] for name in group},
+                                                     metadata={"format": "pt"}))
+        if len(groups) > 1:
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {name: file for file, group in zip(names, groups) for name in group}}
+            _write(scratch / INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+        fsync_dir(scratch)
+        _replace(scratch, output)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return names
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _replace(scratch: Path, output: Path) -> None:
+    """Rename `scratch` to `output`; an existing `output` is moved aside first and removed after."""
+    aside = output.with_name(f".{output.name}.old-{os.getpid()}")
+    if output.exists():
+        os.replace(output, aside)
+    os.replace(scratch, output)
+    fsync_dir(output.parent)
+    shutil.rmtree(aside, ignore_errors=True)

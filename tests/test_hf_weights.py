@@ -1,0 +1,149 @@
+"""Hugging Face weights in and out: `--init-weights` loads a pretrained model's safetensors
+(an index and several files) by name, each rank reading only the slices it holds under
+--shard; `export --hf` writes a directory `from_pretrained` loads. Round trip on a small random
+Llama through the transformers example: save_pretrained -> --init-weights -> 2 gloo ranks
+--shard -> export --hf -> from_pretrained, whose logits are the trained model's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from ddp_amp import UsageError
+from ddp_amp.checkpoint import load_pretrained
+from ddp_amp.export import main as export_main
+from tests.multiproc import run_train
+
+transformers = pytest.importorskip("transformers")
+
+TASK = "examples.hf_causal_lm:make_task"
+
+
+def _pretrained(directory: Path) -> nn.Module:
+    """A small random Llama with tied embeddings, saved as an index and several files."""
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(5)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(directory, max_shard_size="40KB")
+    return model
+
+
+def _args(pretrained: Path, run_dir: Path, *extra: str) -> list[str]:
+    return ["--task", TASK, "--task-opt", f"model={pretrained}", "--task-opt", "seq=16", "--task-opt", "tokens=20000",
+            "--init-weights", str(pretrained), "--device", "cpu", "--precision", "fp32", "--batch-size", "8",
+            "--eval-every", "0", "--log-every", "1", "--run-dir", str(run_dir), *extra]
+
+
+def test_a_pretrained_llama_round_trips_through_sharded_training_to_from_pretrained(tmp_path: Path) -> None:
+    pretrained = tmp_path / "pretrained"
+    original = _pretrained(pretrained)
+    assert (pretrained / "model.safetensors.index.json").is_file() and len(list(pretrained.glob("*.safetensors"))) > 1
+    result = run_train(_args(pretrained, tmp_path / "run", "--shard", "--max-steps", "3"), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # 20 tensors: the tied head is the embedding, in the files once; rank 0 read about half of them.
+    line = next(line for line in result.stdout.splitlines() if "initial weights from" in line)
+    assert "20 tensors" in line and "sharded: 2 x LlamaDecoderLayer" in result.stdout, result.stdout
+    total = sum(p.numel() * p.element_size() for p in original.parameters())
+    assert 0.4 * total < int(line.split(" bytes")[0].split(", ")[-1].replace(",", "")) < 0.6 * total, line
+
+    out = tmp_path / "hf"
+    assert export_main([str(tmp_path / "run"), "--to", str(out), "--hf", "--max-shard-size", "40KB"]) == 0
+    assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded).__name__ == "LlamaForCausalLM" and loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+    # The trained model: the run's final checkpoint in a plain Llama of the run's config.
+    assert export_main([str(tmp_path / "run"), "--to", str(tmp_path / "trained.safetensors")]) == 0
+    trained = transformers.LlamaForCausalLM(original.config)
+    trained.load_state_dict(load_file(tmp_path / "trained.safetensors"), strict=True)
+    tokens = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(tokens).logits, trained.eval()(tokens).logits)
+        # It started from the pretrained weights: 3 AdamW steps at lr <= 3e-3 move each by < 0.01,
+        # while another init differs by about the weights' own size.
+        moved = max((a - b).abs().max().item() for a, b in zip(trained.parameters(), original.parameters()))
+        assert 0 < moved < 0.01, moved
+
+
+def test_without_shard_the_weights_load_whole_and_a_resume_takes_its_checkpoint(tmp_path: Path) -> None:
+    pretrained = tmp_path / "pretrained"
+    original = _pretrained(pretrained)
+    run_dir = tmp_path / "run"
+    # lr 1e-30 moves no fp32 weight (each is far above 1e-30 / 2**-24): the run ends where it started.
+    first = run_train(_args(pretrained, run_dir, "--max-steps", "1", "--lr", "1e-30"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert export_main([str(run_dir), "--to", str(tmp_path / "w.safetensors")]) == 0
+    weights = load_file(tmp_path / "w.safetensors")
+    assert all(torch.equal(weights[name], value) for name, value in original.state_dict().items())
+    # A resume of the same run, same command line, takes the checkpoint's weights: the
+    # pretrained files may be gone by then.
+    for file in pretrained.glob("*.safetensors"):
+        file.unlink()
+    resumed = run_train(_args(pretrained, run_dir, "--max-steps", "2", "--lr", "1e-30"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resume from" in resumed.stdout and "initial weights" not in resumed.stdout
+
+
+class Small(nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, width)
+        self.proj = nn.Linear(width, 3)
+        self.head = nn.Linear(width, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied: the files hold it once
+
+
+def _save(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(path))
+    return path
+
+
+def test_strict_loading_names_the_first_mismatch_in_one_line(tmp_path: Path) -> None:
+    source = Small()
+    full = {name: value for name, value in source.state_dict().items() if name != "head.weight"}
+    model = Small()
+    loaded = load_pretrained(model, _save(tmp_path / "ok.safetensors", full))
+    assert loaded.tensors == 3 and torch.equal(model.head.weight, source.embed.weight)
+    cases = {
+        "missing": ({k: v for k, v in full.items() if k != "proj.bias"}, "proj.bias"),
+        "unexpected": ({**full, "extra.weight": torch.zeros(2)}, "extra.weight"),
+        "shape": ({**full, "proj.bias": torch.zeros(4)}, "proj.bias"),
+    }
+    for kind, (tensors, named) in cases.items():
+        with pytest.raises(UsageError) as refused:
+            load_pretrained(Small(), _save(tmp_path / f"{kind}.safetensors", tensors))
+        message = str(refused.value)
+        assert "\n" not in message and named in message and "--init-weights" in message, (kind, message)
+    partial = load_pretrained(Small(), tmp_path / "missing.safetensors", strict=False)
+    assert partial.missing == ("proj.bias",) and partial.tensors == 2
+    for bad in (tmp_path / "nowhere", tmp_path):  # nothing there; a directory without weights
+        with pytest.raises(UsageError) as refused:
+            load_pretrained(Small(), bad)
+        assert "\n" not in str(refused.value) and str(bad) in str(refused.value)
+
+
+def test_a_bad_init_weights_path_stops_the_cli_before_anything_is_written(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_train(["--task", "mlp", "--init-weights", str(tmp_path / "missing"), "--device", "cpu",
+                        "--max-steps", "1", "--run-dir", str(run_dir)])
+    assert result.returncode == 2 and not run_dir.exists()
+    assert "--init-weights" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_export_hf_of_a_run_without_a_transformers_config_is_refused_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    result = run_train(["--task", "mlp", "--device", "cpu", "--max-steps", "1", "--run-dir", str(run_dir)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert export_main([str(run_dir), "--to", str(tmp_path / "hf"), "--hf"]) == 2
+    err = capsys.readouterr().err
+    assert "--hf-config" in err and not (tmp_path / "hf").exists()
+    assert json.loads((run_dir / "config.json").read_text())["config"]["task"] == "mlp"
