@@ -1,7 +1,7 @@
 """`parallelize`: the one place a user's model is made ready to train, every wrapper in order.
 
     replicated:  DDP(AutocastModule(torch.compile(float8(model))))   (no DDP for a world of one)
-    sharded:     AutocastModule(fully_shard(checkpointed units of float8(model)))
+    sharded:     AutocastModule(fully_shard(units of float8(model), each checkpointed, then compiled))
 
 The order, and why:
 1. to the device first, so every later step (and DDP's weight broadcast) sees the final
@@ -13,8 +13,12 @@ The order, and why:
    description use that one list (described before sharding renames their classes);
 4. activation checkpointing per unit before sharding (torchtitan's order too): the
    composable form keeps parameter names, so the sharded state's names stay the model's;
-5. compile the user's module alone (replicated only): autocast and DDP's hooks stay outside
-   the compiled graph, which sees plain tensors;
+5. compile. Replicated: the user's module whole, so autocast and DDP's hooks stay outside
+   the compiled graph, which sees plain tensors. Sharded: each unit's forward, in place and
+   before sharding (torchtitan compiles per block too): the units' hooks, FSDP's gathers
+   and the checkpointing of step 4, run eagerly around the compiled forward; blocks of one
+   class share its compiled code; the parameter names do not change; and what no unit
+   holds (embeddings, a head) stays eager;
 6. FSDP2 per unit and then the root, on the mesh's data-parallel dimension (its replicate
    x shard dimensions for HSDP), or DDP;
 7. the autocast wrapper: inside DDP, so DDP's forward runs the user's forward under autocast
@@ -71,7 +75,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, precision: Precision, ctx:
     description = _sharded_description(plan, units, ctx) if plan.shard else "replicated"
     if plan.activation_checkpointing:
         _checkpoint_each(units)
-    if plan.compile:
+    if plan.compile and plan.shard:
+        _compile_each(units)
+    elif plan.compile:
         inner = torch.compile(inner)  # type: ignore[assignment]  # of a module: an OptimizedModule
     if plan.shard:
         inner = shard_model(inner, units, mesh=ctx.mesh, reshard_after_forward=plan.reshard_after_forward,
@@ -93,8 +99,19 @@ def _checkpoint_each(units: list[nn.Module]) -> None:
         checkpoint(unit)
 
 
+def _compile_each(units: list[nn.Module]) -> None:
+    """Compile each unit's forward, in place. Not `unit.compile()`: that compiles the module's
+    `_call_impl`, a frame dynamo skips (torch 2.13) to pick up the forward's frame instead,
+    and for torch.nn's own classes (nn.TransformerEncoderLayer, nn.Linear) it skips that one
+    too, so nothing would be compiled (docs/sharding.md). Either way only the forward is
+    compiled; the hooks around it run eagerly."""
+    for unit in units:
+        unit.forward = torch.compile(unit.forward)  # an attribute of this unit: `del unit.forward` undoes it
+
+
 def _sharded_description(plan: ParallelPlan, units: list[nn.Module], ctx: DistContext) -> str:
     extras = [text for on, text in ((plan.activation_checkpointing, "activation checkpointing per unit"),
+                                    (plan.compile, "each unit compiled"),
                                     (not plan.reshard_after_forward, "kept gathered from forward to backward"),
                                     (plan.param_dtype != "fp32", f"parameters gathered in {plan.param_dtype}"),
                                     (plan.cpu_offload, "offloaded to the host"))
