@@ -104,9 +104,12 @@ def _compile_each(units: list[nn.Module]) -> None:
     `_call_impl`, a frame dynamo skips (torch 2.13) to pick up the forward's frame instead,
     and for torch.nn's own classes (nn.TransformerEncoderLayer, nn.Linear) it skips that one
     too, so nothing would be compiled (docs/sharding.md). Either way only the forward is
-    compiled; the hooks around it run eagerly."""
+    compiled; the hooks around it run eagerly. Static shapes: a new shape (an eval's last,
+    shorter batch) compiles once more instead of going symbolic, where float8 units failed
+    in inductor (torch 2.13, emulated fp8 on a CPU, a sharded run's final eval)."""
     for unit in units:
-        unit.forward = torch.compile(unit.forward)  # an attribute of this unit: `del unit.forward` undoes it
+        # an attribute of this unit only: `del unit.forward` undoes it
+        unit.forward = torch.compile(unit.forward, dynamic=False)
 
 
 def _sharded_description(plan: ParallelPlan, units: list[nn.Module], ctx: DistContext) -> str:
