@@ -6,7 +6,7 @@
 # the transformer one with fp8 where torchao is installed. Repository root, on a CUDA machine
 # with a CUDA build of torch and the project's dependencies (pip install -e '.[test,fp8]').
 # Usage: bash docs/gpu_check.sh [OUT_DIR] [checks|bench|all]
-# (checks about 4 minutes on one H100, bench about 12)
+# (checks about 7 minutes on one H100, bench about 12)
 set -uo pipefail
 out=${1:-runs/gpu-check}
 part=${2:-all}
@@ -37,6 +37,26 @@ step 120 torchrun --standalone --nproc_per_node=2 -m ddp_amp.train --backend glo
 step 180 python -m ddp_amp.train --task lm --shard --cpu-offload --device cuda --max-steps 20 \
     --run-dir "$out/shard-cpu-offload"
 if [[ -f $out/shard-cpu-offload/summary.json ]]; then echo "cpu-offload: finished"; else echo "cpu-offload: FAILED"; fi
+# --shard --compile: each unit's forward compiled, the loss too (docs/sharding.md), against the
+# same sharded run eager, and fp8 (float8 linears, which want compile) where torchao is
+# installed. A wider lm than the default so the step is GPU-bound; samples/s is the median of
+# the logged steps after step 100 (the compile is paid in the first steps).
+shardlm=(--task lm --shard --device cuda --precision bf16 --task-opt emsize=1024 --task-opt nhid=4096
+  --task-opt nlayers=8 --task-opt nhead=16 --task-opt bptt=256 --batch-size 32 --max-steps 300
+  --log-every 10 --eval-every 0)
+step 180 python -m ddp_amp.train "${shardlm[@]}" --run-dir "$out/shard-eager"
+step 240 python -m ddp_amp.train "${shardlm[@]}" --compile --run-dir "$out/shard-compiled"
+step 240 python -m ddp_amp.train "${shardlm[@]}" --compile --precision fp8 --run-dir "$out/shard-compiled-fp8"
+python - "$out" <<'EOF'
+import json, statistics, sys
+from pathlib import Path
+for name in ("shard-eager", "shard-compiled", "shard-compiled-fp8"):
+    path = Path(sys.argv[1]) / name / "metrics.jsonl"
+    rows = [r for r in map(json.loads, path.read_text().splitlines()) if "samples_per_s" in r] if path.exists() else []
+    late = [r["samples_per_s"] for r in rows if r["step"] > 100]
+    print(f"{name}: {len(rows)} logged steps, median samples/s after step 100 "
+          f"{statistics.median(late) if late else float('nan'):.1f}, last loss {rows[-1]['loss'] if rows else 'none'}")
+EOF
 # Two ranks on one GPU without --backend gloo: expected to stop with the one-line hint.
 step 60 torchrun --standalone --nproc_per_node=2 -m ddp_amp.train --max-steps 10 --run-dir "$out/nccl-2ranks-1gpu"
 

@@ -44,8 +44,8 @@ def test_a_component_built_alone_is_typed_and_checked() -> None:
     text = "USR2,HUP"  # an option's text is taken and parsed, as from a flag
     guards = GuardOptions(preempt_signal=text)  # type: ignore[arg-type]  # the text is the flag's value
     assert guards.preempt_signal == (signal.SIGUSR2, signal.SIGHUP)
-    with pytest.raises(UsageError, match="--compile"):
-        ParallelOptions(shard=True, compile=True)
+    with pytest.raises(UsageError, match="--static-graph"):
+        ParallelOptions(shard=True, static_graph=True)
     with pytest.raises(UsageError, match="--loss-scale-backoff"):
         PrecisionOptions(loss_scale_backoff=2.0)
     with pytest.raises(UsageError, match="--batch-size"):

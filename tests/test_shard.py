@@ -253,7 +253,7 @@ def _refused(flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str
     return lines[0]
 
 
-@pytest.mark.parametrize("option", ["--compile", "--static-graph", "--activation-checkpointing (without --shard)",
+@pytest.mark.parametrize("option", ["--static-graph", "--activation-checkpointing (without --shard)",
                                     "--shard-param-dtype bf16 (without --shard)", "--cpu-offload (without --shard)"])
 def test_what_cannot_go_with_shard_is_one_line_before_anything_is_written(
         option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,9 +38,10 @@ class ParallelOptions(ComponentOptions):
                                "state on the host (FSDP2's CPUOffloadPolicy); the optimizer steps on the "
                                "CPU, so much slower, for models whose shards do not fit the GPU")
     # --- performance fast paths (measured by python -m ddp_amp.bench) ---
-    compile: bool = option(False, "torch.compile the model (inside the autocast wrapper, under DDP) and "
-                           "the loss; the first steps pay the compile time. Pays on transformers, not on "
-                           "steps too short to be GPU-bound (docs/benchmarks.md has the figures)")
+    compile: bool = option(False, "torch.compile the model (inside the autocast wrapper, under DDP; with "
+                           "--shard each unit's forward, the root's own layers stay eager) and the loss; "
+                           "the first steps pay the compile time. Pays on transformers, not on steps too "
+                           "short to be GPU-bound (docs/benchmarks.md has the figures)")
     grad_comm_dtype: str = option("fp32", "dtype gradients are reduced in (DDP's all-reduce, --shard's "
                                   "reduce-scatter): fp32, or bf16/fp16 (half the traffic, less precise sums)",
                                   ("fp32", "bf16", "fp16"))
@@ -51,10 +52,9 @@ class ParallelOptions(ComponentOptions):
         """Choices, and the options that belong to one of DDP and FSDP2 only."""
         check_fields(self, ParallelOptions)
         if self.shard:
-            for name in ("compile", "static_graph"):
-                if getattr(self, name):
-                    raise UsageError(flag_of(name), True, "an option that works with --shard",
-                                     f"{flag_of(name)} is not supported with --shard yet; drop one of them")
+            if self.static_graph:
+                raise UsageError(flag_of("static_graph"), True, "an option that works with --shard",
+                                 f"{flag_of('static_graph')} is not supported with --shard yet; drop one of them")
         elif (not self.reshard_after_forward or self.activation_checkpointing != "none" or self.replicate != 1
               or self.cpu_offload or self.shard_param_dtype != "fp32"):
             name = next(name for name, on in (("activation_checkpointing", self.activation_checkpointing != "none"),

@@ -1,7 +1,7 @@
 """`parallelize`: the one place a user's model is made ready to train, every wrapper in order.
 
     replicated:  DDP(AutocastModule(torch.compile(float8(model))))   (no DDP for a world of one)
-    sharded:     AutocastModule(fully_shard(checkpointed units of float8(model)))
+    sharded:     AutocastModule(fully_shard(units of float8(model), each checkpointed, then compiled))
 
 The order, and why:
 1. to the device first, so every later step (and DDP's weight broadcast) sees the final
@@ -12,10 +12,15 @@ The order, and why:
    converted modules;
 3. the units are found once, on the converted model, and both sharding and the
    description use that one list (described before sharding renames their classes);
-4. activation checkpointing per unit (full or selective, `recompute`) before sharding (torchtitan's order too): the
-   composable form keeps parameter names, so the sharded state's names stay the model's;
-5. compile the user's module alone (replicated only): autocast and DDP's hooks stay outside
-   the compiled graph, which sees plain tensors;
+4. activation checkpointing per unit (full or selective, `recompute`) before sharding
+   (torchtitan's order too): the composable form keeps parameter names, so the sharded
+   state's names stay the model's;
+5. compile. Replicated: the user's module whole, so autocast and DDP's hooks stay outside
+   the compiled graph, which sees plain tensors. Sharded: each unit's forward, in place and
+   before sharding (torchtitan compiles per block too): the units' hooks, FSDP's gathers
+   and the checkpointing of step 4, run eagerly around the compiled forward; blocks of one
+   class share its compiled code; the parameter names do not change; and what no unit
+   holds (embeddings, a head) stays eager;
 6. FSDP2 per unit and then the root, on the mesh's data-parallel dimension (its replicate
    x shard dimensions for HSDP), or DDP;
 7. the autocast wrapper: inside DDP, so DDP's forward runs the user's forward under autocast
@@ -78,7 +83,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, precision: Precision, ctx:
     # Described now: sharding changes each unit's class (FSDPLinear for a Linear).
     description = _sharded_description(plan, units, ctx) if plan.shard else "replicated"
     checkpoint_units(units, str(plan.activation_checkpointing))
-    if plan.compile:
+    if plan.compile and plan.shard:
+        _compile_each(units)
+    elif plan.compile:
         inner = torch.compile(inner)  # type: ignore[assignment]  # of a module: an OptimizedModule
     if plan.shard:
         inner = shard_model(inner, units, mesh=ctx.mesh, reshard_after_forward=plan.reshard_after_forward,
@@ -104,10 +111,24 @@ def _buffers_to(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
+def _compile_each(units: list[nn.Module]) -> None:
+    """Compile each unit's forward, in place. Not `unit.compile()`: that compiles the module's
+    `_call_impl`, a frame dynamo skips (torch 2.13) to pick up the forward's frame instead,
+    and for torch.nn's own classes (nn.TransformerEncoderLayer, nn.Linear) it skips that one
+    too, so nothing would be compiled (docs/sharding.md). Either way only the forward is
+    compiled; the hooks around it run eagerly. Static shapes: a new shape (an eval's last,
+    shorter batch) compiles once more instead of going symbolic, where float8 units failed
+    in inductor (torch 2.13, emulated fp8 on a CPU, a sharded run's final eval)."""
+    for unit in units:
+        # an attribute of this unit only: `del unit.forward` undoes it
+        unit.forward = torch.compile(unit.forward, dynamic=False)
+
+
 def _sharded_description(plan: ParallelPlan, units: list[nn.Module], ctx: DistContext) -> str:
     recompute = {"full": "activation checkpointing per unit", "none": "",
                  "selective": "selective activation checkpointing per unit"}[str(plan.activation_checkpointing)]
     extras = [text for on, text in ((bool(recompute), recompute),
+                                    (plan.compile, "each unit compiled"),
                                     (not plan.reshard_after_forward, "kept gathered from forward to backward"),
                                     (plan.param_dtype != "fp32", f"parameters gathered in {plan.param_dtype}"),
                                     (plan.cpu_offload, "offloaded to the host"))

@@ -95,7 +95,8 @@ class ParallelPlan:
     """The dtype gradients are reduced in: fp32, bf16 or fp16 (DDP's comm hook, FSDP's
     reduce dtype)."""
     compile: bool = False
-    """Compile the user's module (inside the autocast wrapper and DDP); replicated only."""
+    """Compile: replicated, the user's module (inside the autocast wrapper and DDP); sharded,
+    each unit's forward (what no unit holds stays eager)."""
     cast_outputs_to_fp32: bool = False
     """The autocast wrapper casts the model's floating outputs to fp32."""
     find_unused_parameters: bool = False
@@ -127,9 +128,8 @@ class ParallelPlan:
             raise UsageError("--shard-param-dtype", self.param_dtype, "one of " + ", ".join(PARAM_DTYPES), "")
         if self.shard:
             # What only DDP does, or sharding does not support yet, in the order setup takes it.
-            refused = ["compile_model"] if self.compile else []
-            refused += [name for name, value in self.ddp_keywords().items()
-                        if value and name != "gradient_as_bucket_view"]
+            refused = [name for name, value in self.ddp_keywords().items()
+                       if value and name != "gradient_as_bucket_view"]
             if refused:
                 raise UsageError("setup option", refused[0], "an option of a sharded model",
                                  f"{refused[0]} is DDP's (or not supported with sharding yet); drop it, or drop "

@@ -237,8 +237,9 @@ class Session(SessionSaving):
         """Move `model` to the device and wrap it (collective): DDP(AutocastModule(model)), the AutocastModule
         alone for a world of one, or with `shard` `AutocastModule(model)` sharded (FSDP2: `units`, module classes
         or a function naming its blocks, else its largest ModuleList's children, then the model). `compile_model`
-        compiles it inside the wrapper; `grad_comm_dtype` ("bf16", "fp16") reduces gradients compressed. Make
-        optimizers from the returned module's parameters. Other keywords (static_graph, ...) go to DDP."""
+        compiles it inside the wrapper (sharded: each unit's forward); `grad_comm_dtype` ("bf16", "fp16") reduces
+        gradients compressed. Make optimizers from the returned module's parameters. Other keywords (static_graph,
+        ...) go to DDP."""
         return self._made().setup(model, compile_model=compile_model, grad_comm_dtype=grad_comm_dtype,
                                   cast_outputs_to_fp32=cast_outputs_to_fp32, units=units, ddp_options=ddp_options)
 
