@@ -4,6 +4,8 @@
 processes that join a real gloo group through ddp_amp's env detection and init, call
 `fn(ctx, *args)` and return what each rank returned, in rank order. `fn` must be a
 module-level function of an importable module (it is pickled by name).
+`run_ranks(in_turn, world_size, (fn, *args), (fn2, *args2))` runs several such functions in
+the same processes, one after the other: one start-up of N processes instead of several.
 """
 
 from __future__ import annotations
@@ -15,13 +17,21 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ddp_amp.distributed.spawn import free_port, run_ranks
 
-__all__ = ["REPO_ROOT", "child_pids", "cli_env", "free_port", "is_running", "kill_when", "run_ranks", "run_train",
-           "slow_writes_env"]
+__all__ = ["REPO_ROOT", "child_pids", "cli_env", "free_port", "in_turn", "is_running", "kill_when", "run_ranks",
+           "run_train", "slow_writes_env"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def in_turn(ctx: object, *calls: tuple[Any, ...]) -> list[Any]:
+    """`fn(ctx, *args)` for each `(fn, *args)` of `calls`, in order, in this rank's process
+    (collective where the functions are): their results, in that order. The group is the
+    caller's (run_ranks's), so each function's Session leaves it formed for the next."""
+    return [fn(ctx, *args) for fn, *args in calls]
 
 
 def cli_env(gpus: bool = False, **extra: str) -> dict[str, str]:

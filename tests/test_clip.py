@@ -17,7 +17,7 @@ from ddp_amp import DistContext, Session, TrainConfig, UsageError
 from ddp_amp.parallel import ShardOptions
 from ddp_amp.tasks import load_task
 from ddp_amp.trainer import seed_everything
-from tests.multiproc import run_ranks
+from tests.multiproc import in_turn, run_ranks
 from tests.resume_harness import assert_bitwise_equal
 
 CLIP = 0.05  # bites at every step of the loop below
@@ -110,8 +110,9 @@ def _lm_step(ctx: DistContext, shard: bool) -> dict[str, object]:
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_the_sharded_clipping_norm_is_ddps(ranks: int) -> None:
-    replicated = run_ranks(_lm_step, ranks, False, timeout=300)[0]
-    sharded = run_ranks(_lm_step, ranks, True, timeout=300)
+    # Replicated, then sharded, in the same rank processes (one start-up of the ranks).
+    runs = run_ranks(in_turn, ranks, (_lm_step, False), (_lm_step, True), timeout=300)
+    replicated, sharded = runs[0][0], [run[1] for run in runs]
     assert float(replicated["norm"]) > 0.5  # type: ignore[arg-type]  # the clip bites
     for rank in sharded:
         # The split-independent norm: the gradients' exact norm rounded to fp32, on every rank.

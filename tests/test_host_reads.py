@@ -26,6 +26,7 @@ from ddp_amp import Session
 from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import DistContext
 from ddp_amp.distributed.spawn import run_ranks
+from tests.multiproc import in_turn
 from ddp_amp.trainer import build_trainer, session_for
 
 # Tensor methods that hand a value to the host (each is a device sync on a GPU).
@@ -162,11 +163,12 @@ def test_trainer_steps_read_nothing_on_the_host_in_one_process() -> None:
 
 def test_trainer_and_session_steps_read_nothing_on_the_host_on_two_ranks() -> None:
     cases = [c for c in TRAINER_CASES if c[0] in ("mlp", "lm")]
-    for results in run_ranks(_trainer_reads, 2, cases, "cpu", device="cpu"):
-        _assert_no_reads(results)
-    for results in run_ranks(_session_reads, 2, "cpu", device="cpu"):
-        assert len(results) == 4
-        _assert_no_reads(results)
+    # The Trainer's steps, then the Session's, in the same two rank processes (one start-up).
+    for trainer, session in run_ranks(in_turn, 2, (_trainer_reads, cases, "cpu"), (_session_reads, "cpu"),
+                                      device="cpu"):
+        _assert_no_reads(trainer)
+        assert len(session) == 4
+        _assert_no_reads(session)
 
 
 def test_session_steps_read_nothing_on_the_host_in_one_process() -> None:

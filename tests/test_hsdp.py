@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ddp_amp.train import main as train_main
-from tests.multiproc import run_ranks, run_train
+from tests.multiproc import in_turn, run_ranks, run_train
 from tests.test_shard import LM, _one_rank_inf
 
 # The lm task clips the norm at 0.5 by default (--clip-grad-norm 0); dropout off, as in
@@ -85,8 +85,9 @@ def test_hsdp_checkpoints_resume_under_shard_and_ddp_and_a_ddp_checkpoint_under_
 def test_hsdp_clips_by_the_ddp_norm_and_an_inf_in_one_shard_skips_on_every_rank() -> None:
     # Rank 1 is shard 1 of replica 0: its inf must reach replica 1 (ranks 2, 3) as well. A
     # norm that summed each replica's shards again would be sqrt(2) times DDP's.
-    hsdp = run_ranks(_one_rank_inf, 4, True, (2, 4), 2, timeout=240)
-    ddp = run_ranks(_one_rank_inf, 4, False, (2, 4), timeout=240)
+    # Both in the same 4 processes, one after the other (one start-up, not two).
+    runs = run_ranks(in_turn, 4, (_one_rank_inf, True, (2, 4), 2), (_one_rank_inf, False, (2, 4)), timeout=300)
+    hsdp, ddp = [run[0] for run in runs], [run[1] for run in runs]
     for rank in range(4):
         assert hsdp[rank]["skipped"] == ddp[rank]["skipped"] == [0, 0, 1, 0, 1, 0]
         assert hsdp[rank]["scales"] == ddp[rank]["scales"]

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_amp import Session
+from ddp_amp import Liveness, Session
 from ddp_amp.distributed import init_distributed
 from ddp_amp.distributed.store_wire import WireClient
 from ddp_amp.env import DistEnv
@@ -20,7 +20,12 @@ from ddp_amp.errors import UsageError
 from ddp_amp.distributed.spawn import run_ranks
 from tests.multiproc import free_port
 
-SPREAD_S = 30.0
+# The sessions' watches judge silence at SILENCE (poll 0.5 s: 6 polls, ample on a loaded
+# machine: the beats come from each rank's own helper process); the sessions start up to
+# three times that apart, as 30 s is at the default 10 s: a silence clock that started
+# before a rank's first beat would name the late ranks, and this test would fail.
+SILENCE = Liveness(poll_s=0.5, silence_s=3.0)
+SPREAD_S = 3 * SILENCE.silence_s
 
 
 def _late_loop(ctx: object, world_size: int) -> tuple[int, float, bool]:
@@ -30,7 +35,7 @@ def _late_loop(ctx: object, world_size: int) -> tuple[int, float, bool]:
 
     assert isinstance(ctx, DistContext)
     time.sleep(SPREAD_S * ctx.rank / (world_size - 1))
-    with Session("fp32", "cpu") as session:
+    with Session("fp32", "cpu", liveness=SILENCE) as session:
         watch = session._watch  # the test's own look: this rank beats, and ranks 0 and 1 judge
         watched = watch is not None and watch.heart is not None and watch.judge == (ctx.rank in (0, 1))
         torch.manual_seed(0)
@@ -44,7 +49,7 @@ def _late_loop(ctx: object, world_size: int) -> tuple[int, float, bool]:
     return ctx.rank, float(loss), watched
 
 
-def test_eight_ranks_whose_sessions_start_30_s_apart_complete_and_none_is_named() -> None:
+def test_eight_ranks_whose_sessions_start_three_silences_apart_complete_and_none_is_named() -> None:
     results = run_ranks(_late_loop, 8, 8, timeout=300)
     assert [rank for rank, _, _ in results] == list(range(8))  # every rank finished; none was ended
     assert all(watched for _, _, watched in results)  # and each was watched all along

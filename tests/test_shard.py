@@ -31,7 +31,7 @@ from ddp_amp.metrics import QuietRunLog
 from ddp_amp.parallel import ShardOptions
 from ddp_amp.tasks import load_task
 from ddp_amp.trainer import Trainer, seed_everything, session_for
-from tests.multiproc import REPO_ROOT, run_ranks, run_train, slow_writes_env
+from tests.multiproc import REPO_ROOT, in_turn, run_ranks, run_train, slow_writes_env
 from tests.resume_harness import assert_bitwise_equal
 
 LM = ["--task", "lm", "--task-opt", "emsize=32", "--task-opt", "nhid=32", "--task-opt", "vocab=300",
@@ -193,8 +193,9 @@ def _one_rank_inf(ctx: DistContext, shard: bool, inf_at: tuple[int, ...], replic
 
 
 def test_an_inf_in_one_ranks_shard_skips_the_step_on_every_rank() -> None:
-    sharded = run_ranks(_one_rank_inf, 2, True, (2, 4), timeout=240)
-    reference = run_ranks(_one_rank_inf, 2, False, (2, 4), timeout=240)  # DDP: rank 1's whole gradient
+    # Sharded, then DDP (rank 1's whole gradient) as the reference, in the same 2 processes.
+    runs = run_ranks(in_turn, 2, (_one_rank_inf, True, (2, 4)), (_one_rank_inf, False, (2, 4)), timeout=300)
+    sharded, reference = [run[0] for run in runs], [run[1] for run in runs]
     for rank in (0, 1):
         assert sharded[rank]["skipped"][2] == sharded[rank]["skipped"][4] == 1
         assert sharded[rank]["skipped"] == reference[rank]["skipped"] and \

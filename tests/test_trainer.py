@@ -13,7 +13,7 @@ from ddp_amp.distributed import DistContext
 from ddp_amp.metrics import QuietRunLog
 from ddp_amp.tasks import Task, load_task
 from ddp_amp.trainer import Trainer, seed_everything, session_for
-from tests.multiproc import run_ranks
+from tests.multiproc import in_turn, run_ranks
 
 SMALL_MLP = ("in_size=16", "hidden=32", "out_size=4", "samples=512")
 
@@ -36,9 +36,10 @@ def test_one_process_and_two_processes_reach_the_same_weights() -> None:
     """Global batch B on 1 rank == B/2 on each of 2 ranks, and == 2 x B/2 accumulated on 1."""
     options = {"batch_size": 32, "max_steps": 12, "log_every": 100, "precision": "fp32", "optimizer": "sgd",
                "lr": 0.05}
-    (single,) = run_ranks(_train_and_return_weights, 1, options)
+    # The two one-process runs share one process, one after the other (one start-up).
+    ((single, accumulated),) = run_ranks(in_turn, 1, (_train_and_return_weights, options),
+                                         (_train_and_return_weights, {**options, "grad_accum": 2}))
     pair = run_ranks(_train_and_return_weights, 2, options)
-    (accumulated,) = run_ranks(_train_and_return_weights, 1, {**options, "grad_accum": 2})
     initial = _build(DistContext(__import__("ddp_amp").DistEnv(), torch.device("cpu"), None), options)
     start = unwrap_model(initial.model).state_dict()
     for name, value in single.items():
