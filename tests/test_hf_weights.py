@@ -140,10 +140,12 @@ def test_a_bad_init_weights_path_stops_the_cli_before_anything_is_written(tmp_pa
 
 def test_export_hf_of_a_run_without_a_transformers_config_is_refused_in_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    run_dir = tmp_path / "run"
-    result = run_train(["--task", "mlp", "--device", "cpu", "--max-steps", "1", "--run-dir", str(run_dir)])
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = Path(__file__).parent / "fixtures" / "checkpoint_v0" / "single"  # an mlp run: no hf_config.json
     assert export_main([str(run_dir), "--to", str(tmp_path / "hf"), "--hf"]) == 2
     err = capsys.readouterr().err
-    assert "--hf-config" in err and not (tmp_path / "hf").exists()
-    assert json.loads((run_dir / "config.json").read_text())["config"]["task"] == "mlp"
+    assert "--hf-config" in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "hf").exists()
+    # Given a config, the same checkpoint is written as a model directory.
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "none"}))
+    assert export_main([str(run_dir), "--to", str(tmp_path / "hf"), "--hf", "--hf-config", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {"model_type": "none"}
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
