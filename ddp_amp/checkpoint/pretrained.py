@@ -107,13 +107,16 @@ def load_pretrained(model: nn.Module, source: str | Path, strict: bool = True) -
                         "--no-init-weights-strict ignores them")
     read = 0
     with ExitStack() as stack, torch.no_grad():
-        opened: dict[Path, Any] = {}
         safe_open = _safe_open()
-        for file_name, (model_name, tensor) in chosen.items():
-            path = files[file_name]
-            if path not in opened:
-                opened[path] = stack.enter_context(safe_open(str(path), framework="pt"))
-            read += _fill(tensor, opened[path], file_name, model_name)
+        opened = {path: stack.enter_context(safe_open(str(path), framework="pt"))
+                  for path in {files[name] for name in chosen}}
+        for file_name, (model_name, tensor) in chosen.items():  # every shape before any copy: all or nothing
+            shape = tuple(opened[files[file_name]].get_slice(file_name).get_shape())
+            if shape != tuple(tensor.shape):
+                raise UsageError(FLAG, file_name, f"shape {tuple(tensor.shape)} as the model's {model_name}",
+                                 f"the file's is {shape}: another model size or config")
+        for file_name, (_, tensor) in chosen.items():
+            read += _fill(tensor, opened[files[file_name]], file_name)
     return LoadedWeights(len(chosen), read, tuple(missing), tuple(unexpected))
 
 
@@ -126,13 +129,9 @@ def _tensor_groups(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
     return list(by_identity.values())
 
 
-def _fill(tensor: torch.Tensor, opened: Any, file_name: str, model_name: str) -> int:
+def _fill(tensor: torch.Tensor, opened: Any, file_name: str) -> int:
     """Copy this rank's part of `file_name` (in the open safetensors file) into `tensor`; the bytes read."""
     stored = opened.get_slice(file_name)
-    shape = tuple(stored.get_shape())
-    if shape != tuple(tensor.shape):
-        raise UsageError(FLAG, file_name, f"shape {tuple(tensor.shape)} as the model's {model_name}",
-                         f"the file's is {shape}: another model size or config")
     if isinstance(tensor, DTensor):
         local = tensor.to_local()
         local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,

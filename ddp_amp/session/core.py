@@ -42,8 +42,8 @@ from ddp_amp.env import DistEnv, detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import check_rank_sync
 from ddp_amp.metrics.trackers import Trackers, start_trackers_on_rank_zero
-from ddp_amp.checkpoint import Checkpointer, LoadedWeights, load_pretrained, weight_files
-from ddp_amp.parallel import ShardOptions, Units, fused_kernel_takes, is_built_sharded
+from ddp_amp.checkpoint import Checkpointer, LoadedWeights, load_pretrained
+from ddp_amp.parallel import ShardOptions, Units, fused_kernel_takes
 from ddp_amp.session.models import SessionModels
 from ddp_amp.session.preemption import LoopPreemption, Signals
 from ddp_amp.session.saving import SessionSaving
@@ -244,29 +244,18 @@ class Session(SessionSaving):
                                   cast_outputs_to_fp32=cast_outputs_to_fp32, units=units, ddp_options=ddp_options)
 
     def build_model(self, factory: Callable[[], nn.Module]) -> nn.Module:
-        """`factory()`, the model to pass to `setup`; a sharding session builds it without ever
-        holding it whole (collective): each rank keeps only the rows of each parameter its shard
-        will hold, equal to a plain build's from rank 0's random stream, and the parameters get
-        their storage in `setup`. Init code that cannot run on a shard is refused in one line."""
+        """`factory()` for `setup`; sharding, each rank builds only its shards' rows, equal to a plain
+        build's from rank 0's stream, never the whole model (collective; docs/sharding.md)."""
         return self._made().build(factory)
 
     def load_weights(self, model: nn.Module, source: str | os.PathLike[str], strict: bool = True) -> LoadedWeights:
-        """Fill a set-up model's weights from `source` by name: a .safetensors file or a Hugging
-        Face model directory (an index and several files); a sharded model's ranks each read
-        only the rows they hold. Strict: a missing, unexpected or misshapen name is a one-line
-        UsageError (`strict=False` loads what matches). No collective."""
+        """A set-up model's weights from a .safetensors file or a Hugging Face model directory, by name,
+        each rank reading only what it holds; strict about names and shapes (one-line UsageError)."""
         return load_pretrained(unwrap_model(model), Path(source), strict)
-
-    # The tensor names of a weights source, by file; a one-line UsageError for a bad one.
-    weight_files = staticmethod(weight_files)
 
     def describe(self, model: nn.Module) -> str:
         """What `setup` applied to `model`: 'replicated', or 'sharded: 2 x Block and the model as the root'."""
         return self._made().describe(model)
-
-    # Whether a model came from `build_model` under sharding and is not set up yet (it has no
-    # values to run on until then).
-    is_built_sharded = staticmethod(is_built_sharded)
 
     # Whether an optimizer's fused kernel takes a set-up model's parameters (sharded or not).
     fused_kernel_takes = staticmethod(fused_kernel_takes)
