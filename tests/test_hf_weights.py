@@ -118,10 +118,13 @@ def test_strict_loading_names_the_first_mismatch_in_one_line(tmp_path: Path) -> 
         "shape": ({**full, "proj.bias": torch.zeros(4)}, "proj.bias"),
     }
     for kind, (tensors, named) in cases.items():
+        target = Small()
+        before = {name: value.clone() for name, value in target.state_dict().items()}
         with pytest.raises(UsageError) as refused:
-            load_pretrained(Small(), _save(tmp_path / f"{kind}.safetensors", tensors))
+            load_pretrained(target, _save(tmp_path / f"{kind}.safetensors", tensors))
         message = str(refused.value)
         assert "\n" not in message and named in message and "--init-weights" in message, (kind, message)
+        assert all(torch.equal(value, before[name]) for name, value in target.state_dict().items()), kind
     partial = load_pretrained(Small(), tmp_path / "missing.safetensors", strict=False)
     assert partial.missing == ("proj.bias",) and partial.tensors == 2
     for bad in (tmp_path / "nowhere", tmp_path):  # nothing there; a directory without weights
