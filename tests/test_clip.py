@@ -97,7 +97,8 @@ def _lm_step(ctx: DistContext, shard: bool) -> dict[str, object]:
     tokens, target = (torch.stack(column) for column in zip(*(task.train_data[i] for i in range(8)), strict=True))
     with Session("fp32", "cpu", backend="gloo", environ=os.environ,
                  shard=ShardOptions() if shard else None) as session:
-        model = session.setup(task.model, units=task.shard_units)
+        assert task.build_model is not None  # the lm task builds its model: sharded, each rank its rows only
+        model = session.setup(session.build_model(task.build_model), units=task.shard_units)
         optimizer = torch.optim.SGD(model.parameters(), lr=task.default_lr)
         session.backward(task.loss_fn(model(tokens), target))
         grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
