@@ -119,7 +119,8 @@ class _Values:
 
     def cut(self) -> None:
         """Keep the rows of the full tensor and let the rest go."""
-        assert self.full is not None
+        if self.full is None:
+            return
         self.rows.copy_(self.build.slot.rows(self.full))
         self.full = None
         self.build.current = None
@@ -217,7 +218,8 @@ def _in_full(value: Any) -> bool:
 
 def _full(value: Any) -> Any:
     if isinstance(value, _Slice):
-        assert value.held.full is not None
+        if value.held.full is None:  # callers check _in_full first
+            raise RuntimeError(f"{value.held.label}: its full values are not held here")
         return value.held.full
     return value
 

@@ -60,7 +60,9 @@ def _called_in_step(model: nn.Module, batch_loss: BatchLoss) -> nn.Module:
 def build_task_model(session: Session, config: TrainConfig, task: Task) -> nn.Module:
     """`Task.build_model`'s model, on torch seeded by `--seed` (each rank's streams are left as
     they were); under --shard each rank builds only its shards of it (`Session.build_model`)."""
-    assert task.build_model is not None  # a Task has one of model and build_model
+    if task.build_model is None:
+        raise UsageError("Task", task.name or "a task", "a model= or a build_model= function",
+                         "return ddp_amp.Task(model=...) or Task(build_model=...)")
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(config.seed)
