@@ -6,8 +6,8 @@ Which stream a task's data becomes (`make_stream`):
 - a task's own loader (`make_loader`), sharded by the task (task_loader.py);
 - an `IterableDataset`: strided over data-parallel ranks and workers, resumed by replay
   (iterable_stream.py);
-- a map-style dataset: a shuffled shard per data-parallel rank, resumed by position, and
-  mappable onto another number of ranks (batches.py).
+- a map-style dataset: a seeded order computed per index (order.py), dealt out per
+  micro-step, resumed by position, and mappable onto another number of ranks (batches.py).
 The first two keep a position per rank (loader_stream.py); a checkpoint saves every rank's.
 All of them keep the `Stream` contract (stream.py). `DataOptions` (options.py) holds the
 batch geometry and loader workers a run asks for.
@@ -31,10 +31,12 @@ __all__ = ["BatchStream", "LoaderFactory", "LoaderRequest", "LoaderStream", "Ran
 
 
 def make_stream(train_data: Dataset | None, make_loader: LoaderFactory | None, schedule_on: str, ctx: DistContext,
-                micro_batch_size: int, num_workers: int, seed: int, worker_init_fn: Callable[[int], None]) -> Stream:
+                micro_batch_size: int, num_workers: int, seed: int, worker_init_fn: Callable[[int], None],
+                samples_per_step: int = 0) -> Stream:
     """This rank's stream over a task's training data: its own loader where `make_loader` is
     given (collective: its pass lengths are compared), else `train_data`. `schedule_on` is
-    the task's LR cadence; `worker_init_fn` goes to every DataLoader worker."""
+    the task's LR cadence; `worker_init_fn` goes to every DataLoader worker; `samples_per_step`
+    is the global batch (--batch-size), which a map-style dataset's epochs are whole steps of."""
     if make_loader is not None:
         return task_loader_stream(make_loader, schedule_on, ctx, ctx.device, micro_batch_size, num_workers,
                                   seed, worker_init_fn)
@@ -42,4 +44,4 @@ def make_stream(train_data: Dataset | None, make_loader: LoaderFactory | None, s
         return iterable_stream(train_data, micro_batch_size, ctx.dp_rank, ctx.dp_size, ctx.device, num_workers,
                                collate_fn=collate, worker_init_fn=worker_init_fn)
     return BatchStream(train_data, micro_batch_size, ctx.dp_rank, ctx.dp_size, seed, ctx.device,  # type: ignore[arg-type]  # set without make_loader
-                       num_workers, worker_init_fn=worker_init_fn)
+                       num_workers, worker_init_fn=worker_init_fn, samples_per_step=samples_per_step)

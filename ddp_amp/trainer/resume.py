@@ -25,6 +25,9 @@ from ddp_amp.data import Stream
 from ddp_amp.errors import UsageError
 from ddp_amp.session import Meta, SavedState, Session
 
+# The meta.json key of the task's training data identity (Task.data_identity).
+DATA_IDENTITY = "data_identity"
+
 
 @dataclass
 class TrainingParts:
@@ -97,8 +100,9 @@ def map_data_position(meta: Mapping[str, Any], position: dict[str, int], dp_size
 
     `meta` is the saved batch geometry: world_size, micro_batch_size, batches_per_epoch.
 
-    DistributedSampler deals one permutation out round-robin, so after j micro-batches of m
-    on each of W data-parallel ranks exactly the first W*j*m samples of the epoch are used.
+    The stream deals each epoch's order out per micro-step (data/batches.py), so after j
+    micro-batches of m on each of W data-parallel ranks exactly the first W*j*m samples of the
+    epoch's order are used.
     Another number of ranks continues from the same sample only if W'*m' divides that count.
     A checkpoint without `dp_size` in its meta was saved where every rank was data parallel.
     """
