@@ -49,6 +49,10 @@ CONFIG_FILE_HELP = ("Options can also come from a TOML file: --config PATH, whos
                     "override the file. --print-config prints the resolved options as TOML and exits.")
 
 
+# The repeatable options (a flag per value, a list in a config file), with the word --help shows.
+_REPEATED_METAVAR = {"task_opt": "KEY=VALUE", "data": "SOURCE", "eval_data": "SOURCE"}
+
+
 def build_parser(prog: str = "python -m ddp_amp.train") -> argparse.ArgumentParser:
     parser = _Parser(prog=prog, description="Train with DDP + automatic mixed precision. "
                      "Launch with python, torchrun or srun; the launcher is detected. " + CONFIG_FILE_HELP,
@@ -67,8 +71,9 @@ def build_parser(prog: str = "python -m ddp_amp.train") -> argparse.ArgumentPars
                                 metavar=f.name.upper())
             parser.add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const=default,
                                 help=f"{flag} {default}")
-        elif f.name == "task_opt":
-            parser.add_argument(flag, action="append", default=[], metavar="KEY=VALUE", help=help_text)
+        elif str(f.type) == "tuple[str, ...]" and f.metadata["kind"] is None:  # repeatable: --data A --data B
+            parser.add_argument(flag, action="append", default=[], metavar=_REPEATED_METAVAR.get(f.name, "VALUE"),
+                                help=help_text)
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
             default = text_of(defaults, f.name)
@@ -106,7 +111,8 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     given = _given_flags(flags)
     try:
         values = {**from_file, **given}
-        values["task_opt"] = tuple(values.get("task_opt", ()))
+        for name in _REPEATED_METAVAR:
+            values[name] = tuple(values.get(name, ()))
         config = TrainConfig(**values)
     except UsageError as error:
         raise _blame_file(error, launch.config, from_file.keys() - given.keys()) from error

@@ -46,7 +46,8 @@ class TaskOptions(ComponentOptions):
     """Which task trains, and the options the task reads itself."""
 
     task: str = option("lm", "built-in task: lm (transformer LM on Python's own docs), digits "
-                       "(scikit-learn digits, needs ddp_amp[sklearn]), mlp (synthetic benchmark); "
+                       "(scikit-learn digits, needs ddp_amp[sklearn]), mlp (synthetic benchmark), causal_lm (a "
+                       "Hugging Face model on your --data, needs ddp_amp[text]); "
                        "or a plugin 'package.module:function' that takes this config and returns a ddp_amp.Task",
                        resume="match")
     task_opt: tuple[str, ...] = option((), "task option KEY=VALUE, repeatable; read by the task "

@@ -41,7 +41,7 @@ import torch
 
 from ddp_amp.checkpoint import (HF_CONFIG, IncompleteCheckpoint, Meta, checkpoint_root, complete_copy, list_step_dirs,
                                 module_file, parse_size, read_best, read_checkpoint, read_meta, resolve_resume,
-                                run_hf_config, sharded_tensors, verify_checkpoint, write_hf_directory)
+                                run_hf_config, run_hf_files, sharded_tensors, verify_checkpoint, write_hf_directory)
 from ddp_amp.durable import write_atomic
 from ddp_amp.errors import UsageError
 from ddp_amp.version import __version__
@@ -300,7 +300,7 @@ def export_hf(source: Path, output: Path, *, best: bool = False, force: bool = F
     exported = storable_tensors(state)
     # A tied weight once, under its first name, as save_pretrained writes it (the config ties it).
     tensors = {name: tensor for name, tensor in exported.tensors.items() if name not in exported.shared}
-    files = write_hf_directory(output, tensors, config, max_bytes, backend, force)
+    files = write_hf_directory(output, tensors, config, max_bytes, backend, force, run_hf_files(checkpoint))
     print(f"ddp_amp: exported step {step} of {checkpoint} ({len(tensors)} tensors in {len(files)} "
           f"file{'s' if len(files) > 1 else ''}) as a Hugging Face model directory {output}", flush=True)
     return checkpoint

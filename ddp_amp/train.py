@@ -30,7 +30,7 @@ _STARTUP = EarlySignals((signal.SIGUSR1, signal.SIGTERM)) if __name__ == "__main
 
 from torch import nn
 
-from ddp_amp.checkpoint import HF_CONFIG, checkpoint_root, ensure_writable, list_step_dirs, weight_files
+from ddp_amp.checkpoint import HF_CONFIG, HF_FILES, checkpoint_root, ensure_writable, list_step_dirs, weight_files
 from ddp_amp.command_line import config_toml, parse_command_line
 from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import agreed_origin, on_every_rank, publish_failure
@@ -63,10 +63,11 @@ def train(config: TrainConfig, session: Session) -> dict[str, Any]:
         # The pretrained weights exist and read as weights (their headers only), before anything is
         # written; a resume takes its checkpoint's weights, so their files may be gone by then.
         on_every_rank(lambda: weight_files(config.checkpoint_options().init_weights))
-    explicit = plan_resume(config, run_dir, session) if config.resume not in ("auto", "none") else None
+    data = task.data_identity
+    explicit = plan_resume(config, run_dir, session, data) if config.resume not in ("auto", "none") else None
     lock = lock_run_directory(run_dir, session)  # a second job on this directory stops here
     try:
-        plan = explicit or plan_resume(config, run_dir, session)
+        plan = explicit or plan_resume(config, run_dir, session, data)
         return _train_in(run_dir, plan, config, session, task)
     finally:
         lock.release()
@@ -93,6 +94,8 @@ def _train_in(run_dir: Path, plan: ResumePlan, config: TrainConfig, session: Ses
                                            "device": str(ctx.device), "backend": ctx.backend,
                                            "precision": precision.name, "model": trainer.layout})
         _record_hf_config(run_log, session.unwrap(trainer.model))
+        if task.hf_files:  # a tokenizer's files, for export --hf to write beside the weights
+            run_log.copy_files(HF_FILES, list(task.hf_files))
         # Records past the step we start from belong to a lost attempt: drop them, so a
         # requeued run neither duplicates nor misses steps. A fresh start drops them all
         # (its step-0 records, such as the first evaluation, are written again).

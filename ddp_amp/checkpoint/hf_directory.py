@@ -31,6 +31,7 @@ from ddp_amp.durable import fsync_dir
 from ddp_amp.errors import UsageError
 
 HF_CONFIG = "hf_config.json"  # in a run directory: the transformers config of its model
+HF_FILES = "hf_files"  # in a run directory: files written beside the weights (the tokenizer's)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -55,6 +56,13 @@ def run_hf_config(checkpoint: Path) -> dict[str, Any] | None:
     return None
 
 
+def run_hf_files(checkpoint: Path) -> dict[str, bytes]:
+    """The files (a tokenizer's) the run that wrote `checkpoint` keeps for its export, by name."""
+    folder = checkpoint.parent.parent / HF_FILES
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file()} \
+        if folder.is_dir() else {}
+
+
 def plan_files(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
     """The names in each weights file, in order, none over `max_bytes` unless one tensor is."""
     files: list[list[str]] = [[]]
@@ -70,8 +78,9 @@ def plan_files(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[st
 
 
 def write_hf_directory(output: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], max_bytes: int,
-                       backend: ModuleType, force: bool) -> list[str]:
-    """Write the directory (see the module's docstring); the weights files' names."""
+                       backend: ModuleType, force: bool, extra_files: dict[str, bytes] | None = None) -> list[str]:
+    """Write the directory (see the module's docstring), with `extra_files` (a tokenizer's)
+    beside the weights; the weights files' names."""
     if output.exists() and not output.is_dir():
         raise UsageError("--to", str(output), "a directory path", "with --hf the output is a model directory")
     if output.exists() and not force:
@@ -84,6 +93,8 @@ def write_hf_directory(output: Path, tensors: dict[str, torch.Tensor], config: d
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     try:
+        for name, data in (extra_files or {}).items():
+            _write(scratch / name, data)
         _write(scratch / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
         for file_name, group in zip(names, groups):
             _write(scratch / file_name, backend.save({name: tensors[name] for name in group},

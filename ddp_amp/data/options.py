@@ -1,4 +1,5 @@
-"""The data options of a run: the global batch, its accumulation micro-steps, loader workers."""
+"""The data options of a run: the global batch, its accumulation micro-steps, loader workers,
+and the text sources a task that reads them (causal_lm) trains and evaluates on."""
 
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ class DataOptions(ComponentOptions):
     grad_accum: int = option(1, "micro-steps accumulated per optimizer step (DDP syncs only on the last)",
                              resume="match", limits=(1, 2**31))
     num_workers: int = option(0, "DataLoader worker processes per rank", limits=(0, 256))
+    data: tuple[str, ...] = option((), "training text for --task causal_lm: a file, glob or datasets save_to_disk "
+                                   "folder (.jsonl, .json, .parquet, .txt, also .gz/.bz2/.xz/.zst), optionally "
+                                   "PATH:WEIGHT to use its windows WEIGHT times per epoch; repeatable", resume="match")
+    eval_data: tuple[str, ...] = option((), "held-out text for --task causal_lm, in --data's forms; repeatable "
+                                        "(without it, --task-opt test_size holds out part of --data)")
+    data_cache: str = option("", "folder of tokenized text (reused by every run on the same files and "
+                             "tokenizer; every rank must see it); default $DDP_AMP_DATA_CACHE, else "
+                             "~/.cache/ddp_amp/data", resume="free")
 
     def micro_batch_size(self, world_size: int) -> int:
         """Per-rank batch of one micro-step; raises if the global batch does not divide."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -139,6 +140,15 @@ class RunLog:
 
     def _write_json(self, name: str, payload: dict[str, Any]) -> None:
         write_atomic(self.run_dir / name, json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+
+    def copy_files(self, folder: str, paths: Sequence[str]) -> None:
+        """Copy `paths` into run_dir/folder/, each atomically; collective."""
+        on_rank_zero(lambda: self._copy_files(folder, paths))
+
+    def _copy_files(self, folder: str, paths: Sequence[str]) -> None:
+        (self.run_dir / folder).mkdir(parents=True, exist_ok=True)
+        for path in paths:
+            write_atomic(self.run_dir / folder / Path(path).name, Path(path).read_bytes())
 
     def start_trackers(self, specs: list[str], config: dict[str, Any], start_step: int) -> None:
         """Start the `--tracker` trackers on rank 0, continuing this run directory's tracker

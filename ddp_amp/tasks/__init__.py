@@ -41,6 +41,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "mlp": "ddp_amp.tasks.mlp:make_task",
     "lm": "ddp_amp.tasks.lm:make_task",
     "digits": "ddp_amp.tasks.digits:make_task",
+    "causal_lm": "ddp_amp.tasks.causal_lm:make_task",
 }
 
 
@@ -98,6 +99,13 @@ class Task:
     # the whole model; equal to a plain build's), so a model larger than one host's memory
     # can be trained: ddp_amp/parallel/meta_init.py.
     build_model: Callable[[], nn.Module] | None = None
+    # What the training data is, where the task reads --data (a digest of the tokenized caches
+    # it trains on): checkpoints record it, and a resume whose data changed is refused
+    # unless --allow-change data. "" for a task that does not read --data.
+    data_identity: str = ""
+    # Files `export --hf` writes beside the weights (a tokenizer's), copied into the run
+    # directory when the run starts so the export finds them even if the originals go.
+    hf_files: tuple[str, ...] = ()
 
 
 def parse_task_options(options: Mapping[str, str],
@@ -251,6 +259,10 @@ def load_task(spec: str, config: TrainConfig) -> Task:
         raise UsageError("--task", spec, f"a function {function_name!r} in module {module_name!r}",
                          "check the name after the colon")
     task = _check_task(spec, factory(config))
+    if (config.data or config.eval_data) and not task.data_identity:
+        flag, given = ("--data", config.data[0]) if config.data else ("--eval-data", config.eval_data[0])
+        raise UsageError(flag, given, f"a task that reads it (causal_lm, or a plugin that sets "
+                         f"Task.data_identity); --task {spec} does not", f"drop {flag}, or use --task causal_lm")
     if not task.name:
         task.name = task_label(spec)
     return task

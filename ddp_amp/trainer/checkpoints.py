@@ -21,7 +21,7 @@ from typing import Any
 from ddp_amp.errors import CheckpointError
 from ddp_amp.guards import RunWatch
 from ddp_amp.session import Meta, Session
-from ddp_amp.trainer.resume import Restored, TrainingParts, restore_training_state
+from ddp_amp.trainer.resume import DATA_IDENTITY, Restored, TrainingParts, restore_training_state
 from ddp_amp.trainer.schedules import SchedulerDriver
 
 
@@ -30,8 +30,9 @@ class RunCheckpoints:
 
     def __init__(self, session: Session, parts: TrainingParts, root: Path | None, *, keep_last: int,
                  config: dict[str, Any], schedule: SchedulerDriver | None, watch: RunWatch,
-                 info: Callable[[str], None]) -> None:
+                 info: Callable[[str], None], data_identity: str = "") -> None:
         self.session, self.parts, self.root, self.keep_last = session, parts, root, keep_last
+        self.data_identity = data_identity  # Task.data_identity: a resume compares it (resume_plan.py)
         self.config, self.schedule, self.watch, self.info = config, schedule, watch, info
         self.last: Path | None = None  # the newest this run committed or resumed from
         self.error: CheckpointError | None = None  # why the last save failed, the same on every rank
@@ -126,10 +127,11 @@ class RunCheckpoints:
     def _meta(self, step: int) -> dict[str, Any]:
         """What a resume checks before it loads any tensor."""
         stream = self.parts.stream
-        return Meta(saved_by="ddp_amp.Trainer", step=step, micro_batch_size=stream.micro_batch_size,
+        meta = Meta(saved_by="ddp_amp.Trainer", step=step, micro_batch_size=stream.micro_batch_size,
                     dp_size=self.session.ctx.dp_size,  # what the data position is a position over
                     batches_per_epoch=stream.batches_per_epoch, optimizer_class=self.parts.optimizer_names(),
                     config=self.config).to_dict()
+        return {**meta, DATA_IDENTITY: self.data_identity} if self.data_identity else meta
 
     def _resume_hint(self) -> str:
         if self.last is None:

@@ -103,13 +103,13 @@ class Trainer:
                                           stop_signums=guard.stop_signal)
         self.stream = make_stream(task.train_data, task.make_loader, task.schedule_on, ctx,
                                   data.micro_batch_size(ctx.dp_size), data.num_workers, config.seed,
-                                  worker_ignores(self.preemption.signums))
+                                  worker_ignores(self.preemption.signums), samples_per_step=config.batch_size)
         self.schedule = SchedulerDriver(self.scheduler, session.scaler, task.schedule_on, self.stream) \
             if self.scheduler else None
         self.checkpoints = RunCheckpoints(
             session, TrainingParts(self.model, tuple(self.optimizers), self.scheduler, self.stream, task.state),
             checkpoint_root, keep_last=config.keep_last, config=config.to_dict(), schedule=self.schedule,
-            watch=self.watch, info=run_log.info)
+            watch=self.watch, info=run_log.info, data_identity=task.data_identity)
         self.profile = ProfileWindow(config.profile_steps, config.memory_snapshot,
                                      checkpoint_root.parent / "profile" if checkpoint_root is not None else None,
                                      ctx.rank, self.device, run_log.info)

@@ -24,6 +24,7 @@ from ddp_amp.config import TrainConfig, flag_of, same_setting
 from ddp_amp.durable import fsync_dir
 from ddp_amp.errors import UsageError
 from ddp_amp.session import Checkpointer, Session
+from ddp_amp.trainer.resume import DATA_IDENTITY
 
 
 class ConfigDrift(UsageError):
@@ -84,7 +85,16 @@ def _archive(root: Path) -> str:
     return f"--archive-checkpoints: moved the earlier checkpoints to {archived}"
 
 
-def _decide(config: TrainConfig, run_dir: Path, chosen: Path | None) -> ResumePlan:
+def _data_drift(meta: Any, config: TrainConfig, data_identity: str) -> list[str]:
+    """The refusal line where the checkpoint's training data is not this launch's (same
+    paths, other content: the task's data identity differs), unless --allow-change data."""
+    saved = meta.extra.get(DATA_IDENTITY)
+    if not saved or not data_identity or saved == data_identity or "data" in config.allow_change:
+        return []
+    return [f"--data: its content changed since the checkpoint (tokenized data {saved}, now {data_identity})"]
+
+
+def _decide(config: TrainConfig, run_dir: Path, chosen: Path | None, data_identity: str) -> ResumePlan:
     root = Checkpointer.root_of(run_dir)
     if config.resume == "none":
         existing = Checkpointer.steps(root)
@@ -101,13 +111,17 @@ def _decide(config: TrainConfig, run_dir: Path, chosen: Path | None) -> ResumePl
         return ResumePlan(None)
     meta = Checkpointer.read_meta(path)
     refused, names, noticed = compare_settings(meta.config or {}, config)
+    drift = _data_drift(meta, config, data_identity)
+    if drift and "data" not in names:
+        refused, names = refused + drift, names + ["data"]
     if refused:
         raise ConfigDrift(str(path), refused, names)
     return ResumePlan(path, meta.step or 0, tuple(noticed))
 
 
-def plan_resume(config: TrainConfig, run_dir: Path, session: Session) -> ResumePlan:
-    """Decide where this launch starts (collective: rank 0 decides, every rank learns it).
+def plan_resume(config: TrainConfig, run_dir: Path, session: Session, data_identity: str = "") -> ResumePlan:
+    """Decide where this launch starts (collective: rank 0 decides, every rank learns it);
+    `data_identity` is the task's (Task.data_identity), compared with the checkpoint's.
 
     Reads only, except `--archive-checkpoints`' rename; call it under the run's lock for
     `auto` and `none` (they look at the run directory), before the lock for a PATH.
@@ -115,4 +129,4 @@ def plan_resume(config: TrainConfig, run_dir: Path, session: Session) -> ResumeP
     # Found and checked by every rank, each the files it reads; then rank 0 decides with it.
     chosen = None if config.resume == "none" else \
         session.checkpointer.choose(config.resume, Checkpointer.root_of(run_dir), _warn)
-    return session.on_rank_zero(lambda: _decide(config, run_dir, chosen))
+    return session.on_rank_zero(lambda: _decide(config, run_dir, chosen, data_identity))

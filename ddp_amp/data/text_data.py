@@ -1,0 +1,131 @@
+"""Text sources to training and held-out windows: the data side of the `causal_lm` task.
+
+`text_datasets` (collective) resolves every `--data` / `--eval-data` source, tokenizes each
+into the cache once (token_cache.py), cuts windows (windows.py: wrapped like group_texts, or
+whole documents packed best-fit decreasing), checks every token id against the model's
+vocabulary, and mixes the sources by weight (mixture.py). Held-out windows come from
+`--eval-data`, else from the documents `test_size` holds out of the training sources.
+Everything a rank keeps is memory-mapped: its memory does not grow with the data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from ddp_amp.data.encoding import TextFormat
+from ddp_amp.data.mixture import Mixture
+from ddp_amp.data.packing import PackPlan, build_plan
+from ddp_amp.data.readers import Unit, where
+from ddp_amp.data.sources import resolve_source
+from ddp_amp.data.token_cache import open_or_build
+from ddp_amp.data.token_store import TokenSplit
+from ddp_amp.data.windows import PackedWindows, WrappedWindows
+from ddp_amp.distributed import has_peers, on_rank_zero
+from ddp_amp.errors import UsageError
+
+
+@dataclass(frozen=True)
+class WindowOptions:
+    """How documents become windows."""
+
+    seq: int  # tokens the model sees per item
+    packing: str  # "wrapped", "bfd", or "" (bfd for conversations and completions, wrapped for text)
+    boundaries: bool  # wrapped: keep document boundaries inside a window (bfd always does)
+    truncation_mode: str  # bfd: keep_start, keep_end or drop a document longer than a window
+    pad_id: int
+
+
+@dataclass
+class TextData:
+    train: Dataset
+    eval: Dataset | None
+    identity: str  # a digest of the caches the windows come from: a resume compares it
+
+
+def _say(line: str) -> None:
+    import torch.distributed as dist
+    if not has_peers() or dist.get_rank() == 0:
+        print(f"[ddp_amp] data: {line}", file=sys.stderr, flush=True)
+
+
+def check_vocabulary(split: TokenSplit, vocab_size: int, model: str) -> None:
+    """A one-line error naming the file and row of the first token id >= `vocab_size`."""
+    if split.max_id < vocab_size:
+        return
+    found = split.first_token_at_least(vocab_size)
+    if found is None:
+        return
+    position, token = found
+    document = int(split.document_starts(0, position + 1).size) - 1
+    unit_index, locator = split.row_of(document)
+    raise UsageError("--data", where(Unit.from_list(split.meta["units"][unit_index]), locator),
+                     f"token ids below the model's vocab_size {vocab_size}",
+                     f"its tokens include id {token}: the tokenizer has more ids than {model}'s embedding; use the "
+                     "model's own tokenizer, or resize its embeddings")
+
+
+def _windows(split: TokenSplit, options: WindowOptions) -> tuple[Dataset, str]:
+    if (options.packing or ("bfd" if split.masked else "wrapped")) == "wrapped":
+        return WrappedWindows(split, options.seq, options.boundaries, options.pad_id), ""
+    capacity = options.seq + 1
+    prefix = split.folder / f"{split.split}.pack-{capacity}-{options.truncation_mode}"
+    stats = on_rank_zero(lambda: None if prefix.with_name(prefix.name + ".bounds").exists() else
+                         build_plan(split.lengths(), capacity, options.truncation_mode, prefix))
+    note = ""
+    if stats is not None:
+        note = (f", {stats.documents:,} documents packed best-fit decreasing into {stats.windows:,} windows "
+                f"({stats.fill:.1%} filled; {stats.truncated:,} truncated, {stats.dropped:,} dropped as longer than "
+                f"{capacity} tokens)")
+    return PackedWindows(split, PackPlan(prefix, capacity, options.truncation_mode), options.seq, options.pad_id), note
+
+
+def text_datasets(train_specs: tuple[str, ...], eval_specs: tuple[str, ...], tokenizer: Any, tokenizer_dir: Path,
+                  fmt: TextFormat, test_size: float, options: WindowOptions, cache_root: Path, seed: int,
+                  vocab_size: int, model: str) -> TextData:
+    """Training and held-out windows of the named sources (collective: every rank, in the same order)."""
+    if not train_specs:
+        raise UsageError("--data", "(none)", "at least one source for this task", "e.g. --data corpus/*.jsonl")
+    train_parts: list[tuple[Dataset, float]] = []
+    eval_parts: list[Dataset] = []
+    keys: list[Any] = []
+    for spec in train_specs:
+        source = resolve_source(spec, "--data")
+        train, held = open_or_build(source, tokenizer, tokenizer_dir, fmt, test_size if not eval_specs else 0.0,
+                                    cache_root)
+        keys.append([train.folder.name, source.weight])
+        for split in (train, held):
+            if split is not None:
+                check_vocabulary(split, vocab_size, model)
+        windows, note = _windows(train, options)
+        _say(f"{spec}: {train.documents:,} documents, {train.tokens:,} tokens -> {len(windows):,} windows of "  # type: ignore[arg-type]  # map-style
+             f"{options.seq + 1} tokens{note}")
+        if len(windows) == 0:  # type: ignore[arg-type]  # map-style
+            raise UsageError("--data", spec, f"at least one window of {options.seq + 1} tokens",
+                             f"it holds {train.tokens:,} tokens; lower --task-opt max_length or add data")
+        train_parts.append((windows, source.weight))
+        if held is not None:
+            eval_parts.append(_windows(held, options)[0])
+    for spec in eval_specs:
+        source = resolve_source(spec, "--eval-data")
+        split, _ = open_or_build(source, tokenizer, tokenizer_dir, fmt, 0.0, cache_root)
+        check_vocabulary(split, vocab_size, model)
+        keys.append(["eval", split.folder.name])
+        eval_parts.append(_windows(split, options)[0])
+    train_data: Dataset = train_parts[0][0] if len(train_parts) == 1 and train_parts[0][1] == 1 else \
+        Mixture(train_parts, seed)
+    eval_data = None
+    if eval_parts:
+        eval_data = eval_parts[0] if len(eval_parts) == 1 else Mixture([(part, 1.0) for part in eval_parts], seed)
+        if len(eval_data) == 0:  # type: ignore[arg-type]  # map-style
+            raise UsageError("--eval-data" if eval_specs else "--task-opt test_size", ", ".join(eval_specs) or
+                             str(test_size), f"at least one held-out window of {options.seq + 1} tokens",
+                             "add held-out text, or raise test_size")
+    identity = hashlib.sha256(json.dumps(keys).encode()).hexdigest()[:24]
+    return TextData(train_data, eval_data, identity)

@@ -1,0 +1,227 @@
+"""A source tokenized once, by every rank together, into a cache entry every later run reuses.
+
+`open_or_build(source, ...)` (collective) returns the source's `TokenSplit`s. The entry's
+name is a hash of what made it: the input files' identities (sources.py), the tokenizer
+files' sha256, the row format and held-out fraction, and the entry format. A second run, a
+resume or another world size finds it and reads it; a changed input file or tokenizer makes
+another name, so a stale entry is never read.
+
+Building, where no complete entry exists:
+1. rank 0 clears staging folders of this key that no live build holds (their lock file is
+   free: a killed build's), makes a fresh `<key>.building-<id>` folder and holds its lock;
+   every rank checks it sees that folder (the cache must be on a file system they share);
+2. every rank tokenizes the units `u` with `u % world == rank` (unit_writer.py);
+3. rank 0 waits for every unit's done-file, joins them and renames the folder to `<key>`;
+   the other ranks wait for that name. Waits watch the file system, not a collective, so a
+   build longer than `--dist-timeout` is no failure; an error on any rank is written into the
+   staging folder, and every waiting rank raises it.
+An entry is read only once its meta.json is there and every file has the size it states, so
+a folder half-written by a killed build is never read: it is cleared and built again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import pickle
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import torch.distributed as dist
+
+from ddp_amp.data.encoding import Encoder, TextFormat
+from ddp_amp.data.readers import Unit, units_of
+from ddp_amp.data.sources import Source
+from ddp_amp.data.token_store import FORMAT, TokenSplit, complete, token_dtype
+from ddp_amp.data.unit_writer import join_units, tokenize_unit, unit_done
+from ddp_amp.distributed import all_gather_objects, has_peers, on_every_rank, on_rank_zero
+from ddp_amp.errors import UsageError
+
+# What a tokenizer is made of, in a model directory: hashed into the key, copied on export.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
+LOCK = ".lock"
+
+
+def tokenizer_files(folder: Path) -> list[Path]:
+    return [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
+
+
+def _digest(paths: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def cache_key(source: Source, tokenizer_dir: Path, fmt: TextFormat, test_size: float,
+              vocabulary: int) -> tuple[str, dict[str, Any]]:
+    """(the entry's name, what made it)."""
+    made_from = {"format": FORMAT, "files": source.identity(), "tokenizer": _digest(tokenizer_files(tokenizer_dir)),
+                 "rows": fmt.key(), "test_size": test_size, "dtype": token_dtype(vocabulary).name}
+    name = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:24]
+    return name, made_from
+
+
+def _rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if has_peers() else (0, 1)
+
+
+def _publish(staging: Path, rank: int, error: BaseException) -> None:
+    """Leave `error` where the waiting ranks look (best effort: the raise below is what counts)."""
+    with contextlib.suppress(Exception):
+        (staging / f"error-{rank}.pickle").write_bytes(pickle.dumps(error))
+
+
+def _raise_published(staging: Path) -> None:
+    for path in sorted(staging.glob("error-*.pickle")) if staging.exists() else []:
+        with contextlib.suppress(Exception):
+            error = pickle.loads(path.read_bytes())
+        raise error if isinstance(error, BaseException) else RuntimeError(f"a rank failed building {staging}")
+
+
+def _wait(ready: Callable[[], bool], staging: Path, final: Path) -> None:
+    """Until `ready()`, raising a rank's published error; the build vanishing unfinished is one too."""
+    delay = 0.02
+    while not ready():
+        _raise_published(staging)
+        if not staging.exists() and not complete(final):
+            raise UsageError("--data-cache", str(staging.parent), "the tokenizing run to finish its cache entry",
+                             f"{staging.name} went away unfinished (another job cleared it?); run again")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 1.0)
+
+
+def _lock(path: Path, block: bool) -> IO[bytes] | None:
+    """An exclusive kernel lock on `path` (created), or None where another process holds it."""
+    handle = path.open("ab")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+    except BlockingIOError:
+        handle.close()
+        return None
+    return handle
+
+
+def _start_staging(root: Path, key: str) -> str:
+    """Rank 0: clear dead builds of `key`, set aside a broken entry, make this build's folder."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".probe-{uuid.uuid4().hex}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise UsageError("--data-cache", str(root), "a folder this run can write", f"{type(error).__name__}: "
+                         f"{error}; pass --data-cache DIR on a shared, writable file system") from None
+    for old in root.glob(f"{key}.building-*"):
+        held = _lock(old / LOCK, block=False) if (old / LOCK).exists() else None
+        if held is not None or not (old / LOCK).exists():  # nobody builds there: a killed build's
+            shutil.rmtree(old, ignore_errors=True)
+        if held is not None:
+            held.close()
+    final = root / key
+    if final.exists() and not complete(final):
+        print(f"[ddp_amp] warning: {final} is an incomplete cache entry; it is set aside and built again",
+              file=sys.stderr, flush=True)
+        final.rename(root / f"{key}.broken-{uuid.uuid4().hex[:8]}")
+    staging = root / f"{key}.building-{uuid.uuid4().hex[:12]}"
+    staging.mkdir()
+    return staging.name
+
+
+class _Progress:
+    """Rank 0's bar of its own documents and tokens per second, and the closing line."""
+
+    def __init__(self, rank: int, world: int, what: str) -> None:
+        self.rank, self.world, self.what = rank, world, what
+        self.documents = self.tokens = 0
+        self.started = time.perf_counter()
+        self.bar: Any = None
+        if rank == 0 and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(desc=f"tokenizing {what}", unit=" docs", file=sys.stderr, mininterval=1.0)
+
+    def counted(self, documents: int, tokens: int) -> None:
+        self.documents, self.tokens = self.documents + documents, self.tokens + tokens
+        if self.bar is not None:
+            self.bar.update(documents)
+            rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+            self.bar.set_postfix_str(f"{rate:,.0f} tokens/s on rank 0 of {self.world}", refresh=False)
+
+    def close(self, meta: dict[str, Any]) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.rank == 0:
+            seconds = time.perf_counter() - self.started
+            splits = ", ".join(f"{split} {counts['documents']:,} documents, {counts['tokens']:,} tokens"
+                               for split, counts in meta["splits"].items())
+            rate = self.tokens / max(seconds, 1e-9)
+            print(f"[ddp_amp] data: tokenized {self.what} in {seconds:.1f} s on {self.world} rank(s) "
+                  f"({rate:,.0f} tokens/s on rank 0): {splits}", file=sys.stderr, flush=True)
+
+
+def _build(source: Source, units: list[Unit], final: Path, made_from: dict[str, Any], encoder: Encoder,
+           fmt: TextFormat, test_size: float, vocabulary: int) -> None:
+    """Every rank: tokenize this rank's units into the staging folder rank 0 made (collective)."""
+    rank, world = _rank_and_world()
+    root, key = final.parent, final.name
+    staging = root / on_rank_zero(lambda: _start_staging(root, key))
+    lock = _lock(staging / LOCK, block=True) if rank == 0 else None
+    try:
+        seen = all_gather_objects(staging.is_dir())
+        if not all(seen):
+            raise UsageError("--data-cache", str(root), "a folder every rank sees (a shared file system)",
+                             f"rank {seen.index(False)} does not see {staging.name}; pass --data-cache on a "
+                             "file system all nodes mount")
+        progress = _Progress(rank, world, source.spec)
+        try:
+            file_index = {file.path: i for i, file in enumerate(source.files)}
+            for index in range(rank, len(units), world):
+                _raise_published(staging)  # a peer's error ends this rank's share too
+                unit = units[index]
+                tokenize_unit(unit, index, file_index[unit.file.path], encoder, fmt, test_size,
+                              token_dtype(vocabulary), staging, progress.counted)
+            if rank == 0:
+                _wait(lambda: all(unit_done(staging, i) for i in range(len(units))), staging, final)
+                meta = join_units(staging, units, made_from, token_dtype(vocabulary), source.spec, test_size)
+                try:
+                    staging.rename(final)
+                    (final / LOCK).unlink()  # still held until below: only a staging folder needs one
+                except OSError:  # another job finished the same entry first: theirs is the same
+                    if not complete(final):
+                        raise
+                    shutil.rmtree(staging, ignore_errors=True)
+                progress.close(meta)
+            else:
+                _wait(lambda: complete(final), staging, final)
+        except BaseException as error:
+            _publish(staging, rank, error)
+            raise
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def open_or_build(source: Source, tokenizer: Any, tokenizer_dir: Path, fmt: TextFormat, test_size: float,
+                  root: Path) -> tuple[TokenSplit, TokenSplit | None]:
+    """The source's (train, eval) splits, tokenized into `root` where no entry exists
+    (collective: call on every rank, in the same order); eval is None without `test_size`."""
+    vocabulary = len(tokenizer)
+    key, made_from = on_every_rank(lambda: cache_key(source, tokenizer_dir, fmt, test_size, vocabulary))
+    final = root / key
+    seen = all_gather_objects((key, complete(final)))
+    if len({k for k, _ in seen}) > 1:
+        raise UsageError("--data", source.spec, "the same files (and sizes, mtimes) on every rank",
+                         "ranks see different inputs or tokenizers: put them on a file system every rank shares")
+    if not all(done for _, done in seen):
+        units = on_every_rank(lambda: [unit for file in source.files for unit in units_of(file, fmt.sample_by)])
+        _build(source, units, final, made_from, Encoder(tokenizer, fmt), fmt, test_size, vocabulary)
+    train = TokenSplit(final, "train")
+    return train, TokenSplit(final, "eval") if "eval" in train.meta["splits"] else None

@@ -1,0 +1,201 @@
+"""`causal_lm`: pretrain or fine-tune a Hugging Face causal LM on your own text, through its own tokenizer.
+
+    python -m ddp_amp.train --task causal_lm --task-opt model=DIR --init-weights DIR \\
+        --data 'corpus/*.jsonl' --data chats.parquet --task-opt max_length=2048
+
+`--task-opt model=DIR` is a model directory (`save_pretrained`'s): its config gives the
+architecture, built with `build_model` (under `--shard` each rank builds only its shards), and
+its tokenizer files the tokenizer (read offline). `--init-weights DIR` loads its weights.
+
+The data (`--data`, `--eval-data`; ddp_amp/data/text_data.py): text documents, conversations
+(`messages`) or prompt/completion rows, from JSON lines, JSON, parquet, text or `datasets`
+folders, tokenized once into a cache every later run reuses, cut into windows of
+`max_length` + 1 tokens, visited in a seeded order in which optimizer step k holds the same
+windows on any number of ranks. docs/data.md says it all.
+
+Task options (TRL's SFTConfig spellings where it has one): model, max_length (tokens per
+item), packing (wrapped: documents end to end, as run_clm.py's group_texts; bfd: whole
+documents packed best-fit decreasing; default wrapped for text, bfd for conversations),
+boundaries (true: with wrapped packing, positions restart and no loss or attention crosses a
+document boundary), truncation_mode (keep_start, keep_end or drop, for documents longer than a
+bfd window), dataset_text_field, sample_by (.txt files: line, paragraph, document),
+assistant_only_loss, completion_only_loss, test_size (the fraction of documents held out for
+evaluation where no --eval-data is given).
+
+The loss is the mean next-token cross-entropy over the tokens labels keep; evaluation reports
+`eval_loss` (per token) and `eval_ppl`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ddp_amp.data.encoding import TextFormat
+from ddp_amp.data.packing import TRUNCATION_MODES
+from ddp_amp.data.readers import SAMPLE_BY
+from ddp_amp.data.text_data import WindowOptions, text_datasets
+from ddp_amp.data.token_cache import tokenizer_files
+from ddp_amp.data.windows import IGNORE
+from ddp_amp.errors import UsageError
+from ddp_amp.tasks import parse_task_options
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from ddp_amp.config import TrainConfig
+    from ddp_amp.tasks import Task
+
+DEFAULTS: dict[str, int | float | str] = {
+    "model": "", "max_length": 1024, "packing": "", "boundaries": "false", "truncation_mode": "keep_start",
+    "dataset_text_field": "text", "sample_by": "line", "assistant_only_loss": "true",
+    "completion_only_loss": "true", "test_size": 0.0}
+CHOICES = {"packing": ("", "wrapped", "bfd"), "truncation_mode": TRUNCATION_MODES, "sample_by": SAMPLE_BY}
+SWITCHES = ("boundaries", "assistant_only_loss", "completion_only_loss")
+
+
+def _switch(key: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value not in ("true", "false", "1", "0", "yes", "no"):
+        raise UsageError(f"--task-opt {key}", raw, "true or false", f"e.g. --task-opt {key}=true")
+    return value in ("true", "1", "yes")
+
+
+def read_options(config: TrainConfig) -> dict[str, Any]:
+    values: dict[str, Any] = parse_task_options(config.task_options(), DEFAULTS)
+    for key, choices in CHOICES.items():
+        if values[key] not in choices:
+            raise UsageError(f"--task-opt {key}", values[key], "one of " + ", ".join(c for c in choices if c),
+                             f"e.g. --task-opt {key}={choices[1] if not choices[0] else choices[0]}")
+    for key in SWITCHES:
+        values[key] = _switch(key, values[key])
+    if not values["model"]:
+        raise UsageError("--task-opt model", "(none)", "a Hugging Face model directory (config.json and tokenizer)",
+                         "e.g. --task-opt model=/models/Llama-3.2-1B")
+    if values["max_length"] < 1:
+        raise UsageError("--task-opt max_length", values["max_length"], "an integer >= 1", "e.g. max_length=2048")
+    if not 0 <= values["test_size"] < 1:
+        raise UsageError("--task-opt test_size", values["test_size"], "a fraction in [0, 1)", "e.g. test_size=0.01")
+    return values
+
+
+def _read(directory: str, expected: str, load: Callable[[], Any]) -> Any:
+    """`load()`, or a one-line UsageError naming the model directory where it cannot read it."""
+    try:
+        return load()
+    except (OSError, ValueError) as error:
+        raise UsageError("--task-opt model", directory, expected,
+                         f"{type(error).__name__}: {str(error).splitlines()[0][:160]}") from None
+
+
+def model_config(directory: str, seq: int) -> PretrainedConfig:
+    """The model directory's config, checked against the window length; read offline."""
+    from transformers import AutoConfig
+
+    if not Path(directory).is_dir():
+        raise UsageError("--task-opt model", directory, "a Hugging Face model directory on this machine",
+                         "save_pretrained() (or download) it first; nothing is fetched from the hub")
+    config = _read(directory, "a model directory with a readable config.json",
+                   lambda: AutoConfig.from_pretrained(directory, local_files_only=True))
+    longest = getattr(config, "max_position_embeddings", None)
+    if longest is not None and seq > longest:
+        raise UsageError("--task-opt max_length", seq, f"at most the model's max_position_embeddings ({longest})",
+                         f"e.g. --task-opt max_length={longest}")
+    config.use_cache = False  # no generation here: a key/value cache would only cost memory
+    return config
+
+
+def load_tokenizer(directory: str) -> Any:
+    """The directory's own fast tokenizer, offline."""
+    if not tokenizer_files(Path(directory)):
+        raise UsageError("--task-opt model", directory, "a model directory with its tokenizer (tokenizer.json)",
+                         "save the tokenizer beside the model: tokenizer.save_pretrained(DIR)")
+    from transformers import AutoTokenizer
+    tokenizer = _read(directory, "a tokenizer transformers reads",
+                      lambda: AutoTokenizer.from_pretrained(directory, local_files_only=True))
+    if not hasattr(tokenizer, "backend_tokenizer"):
+        raise UsageError("--task-opt model", directory, "a fast tokenizer (tokenizer.json)",
+                         "convert it once: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)")
+    return tokenizer
+
+
+def _logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    inputs = {"input_ids": batch["input_ids"]}
+    if "position_ids" in batch:  # document boundaries: transformers masks attention per document
+        inputs["position_ids"] = batch["position_ids"]
+    return model(**inputs).logits
+
+
+def summed_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of next-token NLL over the labels kept, how many were kept)."""
+    nll = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE,
+                                      reduction="sum")
+    return nll, (labels != IGNORE).sum()
+
+
+def token_mean_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """step_fn: the micro-batch's mean NLL per kept token (0 where it keeps none)."""
+    nll, kept = summed_nll(_logits(model, batch), batch["labels"])
+    return nll / kept.clamp(min=1)
+
+
+def eval_nll(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, int]]:
+    """eval_fn: summed NLL and the tokens it covers; the evaluation adds them over ranks."""
+    nll, kept = summed_nll(_logits(model, batch), batch["labels"])
+    return {"loss": (nll, int(kept))}
+
+
+def perplexity(means: dict[str, float]) -> dict[str, float]:
+    return {**means, "ppl": math.exp(min(means["loss"], 700.0))}  # 700: exp() stays finite
+
+
+def cache_root(config: TrainConfig) -> Path:
+    """--data-cache, else $DDP_AMP_DATA_CACHE, else ~/.cache/ddp_amp/data."""
+    chosen = config.data_cache or os.environ.get("DDP_AMP_DATA_CACHE") or "~/.cache/ddp_amp/data"
+    return Path(chosen).expanduser()
+
+
+def make_task(config: TrainConfig) -> Task:
+    """Collective (the data is tokenized by every rank together): called on every rank."""
+    from ddp_amp.tasks import Task
+
+    opts = read_options(config)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise UsageError("--task", "causal_lm", "the transformers package installed",
+                         "pip install 'ddp_amp[text]'") from None
+    directory, seq = opts["model"], opts["max_length"]
+    architecture = model_config(directory, seq)
+    tokenizer = load_tokenizer(directory)
+    fmt = TextFormat(opts["dataset_text_field"], opts["sample_by"], opts["assistant_only_loss"],
+                     opts["completion_only_loss"])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    windows = WindowOptions(seq, opts["packing"], opts["boundaries"], opts["truncation_mode"], pad)
+    data = text_datasets(config.data, config.eval_data, tokenizer, Path(directory), fmt, opts["test_size"], windows,
+                         cache_root(config), config.seed, architecture.vocab_size, directory)
+
+    def build_model() -> nn.Module:
+        from transformers import AutoModelForCausalLM
+        return AutoModelForCausalLM.from_config(architecture, attn_implementation="sdpa")
+
+    return Task(
+        build_model=build_model,
+        train_data=data.train,
+        eval_data=data.eval,
+        step_fn=token_mean_loss,
+        eval_fn=eval_nll if data.eval is not None else None,
+        finalize_metrics=perplexity if data.eval is not None else None,
+        make_scheduler=lambda optimizer: torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.max_steps),
+        default_lr=2e-5,  # TRL's SFT default for AdamW, unless --lr is given
+        tokens_per_sample=seq,
+        data_identity=data.identity,
+        hf_files=tuple(str(path) for path in tokenizer_files(Path(directory))),
+        name="causal_lm",
+    )

@@ -1,0 +1,119 @@
+"""Which tokens the SFT loss covers (ddp_amp/data/encoding.py), compared with TRL's own
+SFTTrainer on the same rows and tokenizer: its assistant-only mask for conversations (TRL
+needs the template's generation markers; ddp_amp finds the same tokens without them) and its
+completion-only mask for prompt/completion rows; then the masks through packed windows."""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddp_amp.data.encoding import Encoder, TextFormat
+from ddp_amp.data.packing import PackPlan, build_plan
+from ddp_amp.data.sources import resolve_source
+from ddp_amp.data.token_cache import open_or_build
+from ddp_amp.data.windows import IGNORE, PackedWindows
+from ddp_amp.errors import UsageError
+from tests.text_model import TRAINING_TEMPLATE, conversations, make_model_dir, write_jsonl
+
+COMPLETIONS = [{"prompt": "The for statement", "completion": " iterates over the items of a sequence."},
+               {"prompt": "A class definition", "completion": " defines a class object."},
+               {"prompt": "Q: what does pass do?\nA:", "completion": " nothing; it is a placeholder."}]
+CONVERSATIONAL_COMPLETIONS = [{"prompt": [{"role": "user", "content": "What is a list?"}],
+                               "completion": [{"role": "assistant", "content": "A mutable sequence."}]}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("model"), vocab_size=400, width=32, layers=1, heads=2)
+
+
+def _trl_rows(model_dir: Path, rows: list[dict[str, Any]], **options: Any) -> list[dict[str, Any]]:
+    """TRL's tokenized rows (input_ids, labels with -100 outside the loss), as SFTTrainer prepares them."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = TRAINING_TEMPLATE  # the same rendering, with the generation markers TRL reads
+    with warnings.catch_warnings():  # TRL's own defaults set an option transformers says is renamed
+        warnings.simplefilter("ignore", FutureWarning)
+        config = SFTConfig(output_dir=tempfile.mkdtemp(), packing=False, report_to=[], use_cpu=True,
+                           max_length=None, **options)
+        trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=config,
+                             train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer)
+    return [trainer.train_dataset[i] for i in range(len(rows))]
+
+
+def _ours(model_dir: Path, rows: list[dict[str, Any]], kind: str, **fmt: Any) -> list[tuple[list[int], list[int]]]:
+    from transformers import AutoTokenizer
+    encoded = Encoder(AutoTokenizer.from_pretrained(model_dir), TextFormat(**fmt)).encode(kind, rows, str)
+    return [(ids, mask if mask is not None else [1] * len(ids)) for ids, mask in encoded]
+
+
+def _trl_mask(row: dict[str, Any]) -> list[int]:
+    return [0 if label == IGNORE else 1 for label in row["labels"]]
+
+
+def test_the_assistant_mask_is_trls(model_dir: Path) -> None:
+    rows = conversations(12)  # with and without a system turn, one and two assistant turns
+    trl = _trl_rows(model_dir, rows, assistant_only_loss=True)
+    for (ids, mask), theirs in zip(_ours(model_dir, rows, "messages"), trl):
+        assert ids == theirs["input_ids"]
+        assert mask == _trl_mask(theirs)
+        assert 0 < sum(mask) < len(mask)
+
+
+def test_the_completion_mask_is_trls(model_dir: Path) -> None:
+    trl = _trl_rows(model_dir, COMPLETIONS)  # prompt/completion rows: completion-only loss by default
+    for (ids, mask), theirs in zip(_ours(model_dir, COMPLETIONS, "prompt_completion"), trl):
+        assert ids == theirs["input_ids"] and mask == _trl_mask(theirs)
+    trl = _trl_rows(model_dir, CONVERSATIONAL_COMPLETIONS)
+    (ids, mask), = _ours(model_dir, CONVERSATIONAL_COMPLETIONS, "prompt_completion")
+    assert ids == trl[0]["input_ids"] and mask == _trl_mask(trl[0])
+
+
+def test_the_loss_covers_every_token_when_asked(model_dir: Path) -> None:
+    rows = conversations(3)
+    for ids, mask in _ours(model_dir, rows, "messages", assistant_only_loss=False):
+        assert mask == [1] * len(ids)
+    trl = _trl_rows(model_dir, COMPLETIONS, completion_only_loss=False)
+    for (ids, mask), theirs in zip(_ours(model_dir, COMPLETIONS, "prompt_completion", completion_only_loss=False), trl):
+        assert ids == theirs["input_ids"] and mask == _trl_mask(theirs) == [1] * len(ids)
+
+
+def test_packed_windows_keep_the_masks(tmp_path: Path, model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    rows = conversations(30)
+    trl = _trl_rows(model_dir, rows, assistant_only_loss=True)
+    write_jsonl(tmp_path / "chat.jsonl", rows)
+    train, _ = open_or_build(resolve_source(str(tmp_path / "chat.jsonl"), "--data"),
+                             AutoTokenizer.from_pretrained(model_dir), model_dir, TextFormat(), 0.0, tmp_path / "cache")
+    capacity = max(len(row["input_ids"]) for row in trl) + 1  # no conversation is cut
+    build_plan(train.lengths(), capacity, "keep_start", tmp_path / "plan")
+    windows = PackedWindows(train, PackPlan(tmp_path / "plan", capacity, "keep_start"), capacity - 1, pad_id=0)
+    assert len(windows) < len(rows)  # several conversations share windows
+    kept = sorted(t for i in range(len(windows)) for t in windows[i]["labels"].tolist() if t != IGNORE)
+    # Every label TRL keeps, except a conversation's first token (nothing in it precedes it).
+    assert kept == sorted(t for row in trl for t in row["labels"][1:] if t != IGNORE)
+
+
+def test_templates_and_rows_that_cannot_be_masked_are_refused(model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}[{{ messages|length }}]"
+                               "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    with pytest.raises(UsageError, match="renders a conversation's turns the same whatever follows"):
+        Encoder(tokenizer, TextFormat()).encode("messages", conversations(1), lambda i: f"chat.jsonl, line {i + 1}")
+    tokenizer.chat_template = None
+    with pytest.raises(UsageError, match="a tokenizer with a chat template"):
+        Encoder(tokenizer, TextFormat()).check("messages", "chat.jsonl")
+    with pytest.raises(UsageError, match="chat.jsonl, line 1'?: expected a conversation with an assistant turn"):
+        Encoder(AutoTokenizer.from_pretrained(model_dir), TextFormat()).encode(
+            "messages", [{"messages": [{"role": "user", "content": "hi"}]}], lambda i: f"chat.jsonl, line {i + 1}")
