@@ -51,10 +51,11 @@ def cli_env(gpus: bool = False, **extra: str) -> dict[str, str]:
     return env
 
 
-def slow_writes_env(seconds: float, **extra: str) -> dict[str, str]:
-    """`cli_env` for a process whose checkpoint files each take `seconds` longer to write
-    (tests/slow_writes/sitecustomize.py), so a test can kill it in the middle of a save."""
-    env = cli_env(DDP_AMP_TEST_SLOW_WRITES_S=str(seconds), **extra)
+def slow_writes_env(seconds: float, inside: str = "/.tmp-", **extra: str) -> dict[str, str]:
+    """`cli_env` for a process whose checkpoint files (or files under a path holding `inside`)
+    each take `seconds` longer to write (tests/slow_writes/sitecustomize.py), so a test can
+    kill it in the middle of a save."""
+    env = cli_env(DDP_AMP_TEST_SLOW_WRITES_S=str(seconds), DDP_AMP_TEST_SLOW_WRITES_IN=inside, **extra)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "tests" / "slow_writes"), env["PYTHONPATH"]])
     return env
 

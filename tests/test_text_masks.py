@@ -114,6 +114,6 @@ def test_templates_and_rows_that_cannot_be_masked_are_refused(model_dir: Path) -
     tokenizer.chat_template = None
     with pytest.raises(UsageError, match="a tokenizer with a chat template"):
         Encoder(tokenizer, TextFormat()).check("messages", "chat.jsonl")
-    with pytest.raises(UsageError, match="chat.jsonl, line 1'?: expected a conversation with an assistant turn"):
+    with pytest.raises(UsageError, match=r"chat.jsonl, line 1'?: expected a conversation with an assistant turn"):
         Encoder(AutoTokenizer.from_pretrained(model_dir), TextFormat()).encode(
             "messages", [{"messages": [{"role": "user", "content": "hi"}]}], lambda i: f"chat.jsonl, line {i + 1}")

@@ -81,6 +81,7 @@ def test_kept_boundaries_give_each_document_its_own_logits(tmp_path: Path, model
         assert len(starts) >= 3  # several documents in one window
         with torch.no_grad():
             packed = model(input_ids=item["input_ids"][None], position_ids=positions[None]).logits[0]
+            assert crossed[index]["position_ids"].tolist() == list(range(SEQ))
             unmasked = model(input_ids=crossed[index]["input_ids"][None]).logits[0]
             for start, stop in zip(starts, starts[1:] + [SEQ]):
                 alone = model(input_ids=item["input_ids"][None, start:stop]).logits[0]

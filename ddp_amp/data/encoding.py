@@ -4,7 +4,8 @@ A source's rows are of one kind, told by the first row's fields (the names TRL's
 reads):
 - `text` (the field `--task-opt dataset_text_field` names): a document, tokenized with the
   tokenizer's special tokens (its BOS, where the model family uses one) and ended with its
-  EOS, so that documents joined into windows stay apart. The loss covers every token.
+  EOS, so that documents joined into windows stay apart. The loss covers every token. An
+  empty text (a blank line) is no document.
 - `messages` (a list of {role, content}): a conversation, rendered by the tokenizer's own chat
   template and tokenized without adding special tokens (the template writes its own). With
   `assistant_only_loss` the loss covers only what each assistant message adds to the
@@ -92,8 +93,9 @@ class Encoder:
                 raise UsageError("--data", where(i), f"a text in field {field!r}",
                                  f"got {type(text).__name__}; name the text field with --task-opt dataset_text_field")
             texts.append(text)
-        return [(self._ended(encoding.ids), None)
-                for encoding in self.backend.encode_batch(texts, add_special_tokens=True)]
+        encodings = self.backend.encode_batch(texts, add_special_tokens=True)
+        # An empty text is no document (a blank line of a text file): it is skipped and counted.
+        return [(self._ended(encoding.ids) if text else [], None) for text, encoding in zip(texts, encodings)]
 
     def _ended(self, ids: list[int]) -> list[int]:
         return ids if ids and ids[-1] == self.eos else ids + [self.eos]

@@ -1,7 +1,8 @@
 """Training items cut from a tokenized split: windows of `seq + 1` tokens.
 
-An item is `{"input_ids", "labels"}` of `seq` tokens each (labels are the next tokens, -100
-where the loss does not look), plus `position_ids` where document boundaries are kept.
+An item is `{"input_ids", "labels", "position_ids"}` of `seq` tokens each: labels are the
+next tokens (-100 where the loss does not look), positions count from 0 (and restart at each
+document where boundaries are kept).
 
 - `WrappedWindows` (packing `wrapped`): documents end to end, cut into consecutive windows of
   seq + 1 tokens, the remainder dropped: run_clm.py's `group_texts` with block size seq + 1.
@@ -39,14 +40,15 @@ def window_item(tokens: np.ndarray, mask: np.ndarray | None, starts: np.ndarray 
     targets = np.zeros(seq, dtype=bool)  # which labels the loss may look at
     targets[:length - 1] = True if mask is None else np.asarray(mask[1:length]) != 0
     labels[~targets] = IGNORE  # padding, and what the mask leaves out
-    item = {"input_ids": torch.from_numpy(ids[:-1].copy()), "labels": torch.from_numpy(labels)}
+    positions = np.arange(seq, dtype=np.int64)
     if starts is not None:
         inside = starts[(starts > 0) & (starts <= seq)]
         labels[inside - 1] = IGNORE  # no document predicts the next one's first token
         cuts = np.concatenate([[0], inside[inside < seq], [length] if length < seq else []]).astype(np.int64)
-        positions = np.arange(seq, dtype=np.int64)
-        item["position_ids"] = torch.from_numpy(positions - cuts[np.searchsorted(cuts, positions, side="right") - 1])
-    return item
+        positions -= cuts[np.searchsorted(cuts, positions, side="right") - 1]
+    # Positions always, so that windows with and without boundaries mix in one batch.
+    return {"input_ids": torch.from_numpy(ids[:-1].copy()), "labels": torch.from_numpy(labels),
+            "position_ids": torch.from_numpy(positions)}
 
 
 class WrappedWindows(Dataset):

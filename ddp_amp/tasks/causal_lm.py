@@ -20,7 +20,8 @@ boundaries (true: with wrapped packing, positions restart and no loss or attenti
 document boundary), truncation_mode (keep_start, keep_end or drop, for documents longer than a
 bfd window), dataset_text_field, sample_by (.txt files: line, paragraph, document),
 assistant_only_loss, completion_only_loss, test_size (the fraction of documents held out for
-evaluation where no --eval-data is given).
+evaluation where no --eval-data is given), lr_scheduler_type (linear, cosine, constant),
+warmup_steps, warmup_ratio.
 
 The loss is the mean next-token cross-entropy over the tokens labels keep; evaluation reports
 `eval_loss` (per token) and `eval_ppl`.
@@ -55,8 +56,10 @@ if TYPE_CHECKING:
 DEFAULTS: dict[str, int | float | str] = {
     "model": "", "max_length": 1024, "packing": "", "boundaries": "false", "truncation_mode": "keep_start",
     "dataset_text_field": "text", "sample_by": "line", "assistant_only_loss": "true",
-    "completion_only_loss": "true", "test_size": 0.0}
-CHOICES = {"packing": ("", "wrapped", "bfd"), "truncation_mode": TRUNCATION_MODES, "sample_by": SAMPLE_BY}
+    "completion_only_loss": "true", "test_size": 0.0, "lr_scheduler_type": "linear", "warmup_steps": 0,
+    "warmup_ratio": 0.0}
+CHOICES = {"packing": ("", "wrapped", "bfd"), "truncation_mode": TRUNCATION_MODES, "sample_by": SAMPLE_BY,
+           "lr_scheduler_type": ("linear", "cosine", "constant")}
 SWITCHES = ("boundaries", "assistant_only_loss", "completion_only_loss")
 
 
@@ -80,9 +83,27 @@ def read_options(config: TrainConfig) -> dict[str, Any]:
                          "e.g. --task-opt model=/models/Llama-3.2-1B")
     if values["max_length"] < 1:
         raise UsageError("--task-opt max_length", values["max_length"], "an integer >= 1", "e.g. max_length=2048")
-    if not 0 <= values["test_size"] < 1:
-        raise UsageError("--task-opt test_size", values["test_size"], "a fraction in [0, 1)", "e.g. test_size=0.01")
+    for key in ("test_size", "warmup_ratio"):
+        if not 0 <= values[key] < 1:
+            raise UsageError(f"--task-opt {key}", values[key], "a fraction in [0, 1)", f"e.g. {key}=0.01")
+    if values["warmup_steps"] < 0:
+        raise UsageError("--task-opt warmup_steps", values["warmup_steps"], "an integer >= 0", "e.g. warmup_steps=100")
     return values
+
+
+def lr_factor(kind: str, warmup: int, total: int) -> Callable[[int], float]:
+    """The learning rate's multiplier after `step` optimizer steps, as Hugging Face's schedulers
+    of that name: a linear warm-up over `warmup` steps, then linear decay to 0 at `total`, a
+    cosine half-wave to 0, or constant. Computed from this launch's --max-steps, so a resume
+    that raises it stretches the decay instead of restarting it."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if kind == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0
+    return factor
 
 
 def _read(directory: str, expected: str, load: Callable[[], Any]) -> Any:
@@ -126,10 +147,8 @@ def load_tokenizer(directory: str) -> Any:
 
 
 def _logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    inputs = {"input_ids": batch["input_ids"]}
-    if "position_ids" in batch:  # document boundaries: transformers masks attention per document
-        inputs["position_ids"] = batch["position_ids"]
-    return model(**inputs).logits
+    # Positions that restart inside a window make transformers mask attention per document.
+    return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
 
 
 def summed_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +211,9 @@ def make_task(config: TrainConfig) -> Task:
         step_fn=token_mean_loss,
         eval_fn=eval_nll if data.eval is not None else None,
         finalize_metrics=perplexity if data.eval is not None else None,
-        make_scheduler=lambda optimizer: torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.max_steps),
+        make_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(
+            opts["lr_scheduler_type"], opts["warmup_steps"] or math.ceil(opts["warmup_ratio"] * config.max_steps),
+            config.max_steps)),
         default_lr=2e-5,  # TRL's SFT default for AdamW, unless --lr is given
         tokens_per_sample=seq,
         data_identity=data.identity,

@@ -3,14 +3,16 @@ written slowly, so a test can kill the writer while a checkpoint is half-written
 
 Python imports `sitecustomize` at start-up from the path. Here it makes `os.fsync` of a file
 inside a checkpoint's scratch directory (`.tmp-*`, where the commit protocol writes before
-its rename) sleep `DDP_AMP_TEST_SLOW_WRITES_S` seconds first. Nothing of ddp_amp is
-imported or changed: the commit protocol runs as it does for users, only slower.
+its rename; or whatever path fragment `DDP_AMP_TEST_SLOW_WRITES_IN` names, such as a data
+cache's `.building-` folder) sleep `DDP_AMP_TEST_SLOW_WRITES_S` seconds first. Nothing of
+ddp_amp is imported or changed: it runs as it does for users, only slower.
 """
 
 import os
 import time
 
 _DELAY_S = float(os.environ.get("DDP_AMP_TEST_SLOW_WRITES_S", "0") or 0)
+_INSIDE = os.environ.get("DDP_AMP_TEST_SLOW_WRITES_IN", "/.tmp-")
 
 if _DELAY_S > 0:
     _fsync = os.fsync
@@ -20,7 +22,7 @@ if _DELAY_S > 0:
             path = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             path = ""
-        if "/.tmp-" in path:
+        if _INSIDE in path:
             time.sleep(_DELAY_S)
         _fsync(fd)
 

@@ -1,0 +1,125 @@
+"""The tokenized cache (ddp_amp/data/token_cache.py): built once by every rank together, reused
+by later runs, never stale, never read half-written; and its failures, one line each."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddp_amp.data.encoding import TextFormat
+from ddp_amp.data.sources import resolve_source
+from ddp_amp.data.token_cache import open_or_build
+from ddp_amp.data.token_store import TokenSplit
+from ddp_amp.errors import UsageError
+from tests.multiproc import kill_when, run_ranks, slow_writes_env
+from tests.text_model import corpus_documents, make_model_dir, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("model"), vocab_size=400, width=32, layers=1, heads=2)
+
+
+def _corpus(folder: Path, files: int = 3) -> str:
+    """`files` JSON lines files of documents; a glob naming them all."""
+    folder.mkdir(exist_ok=True)
+    documents = corpus_documents(60)
+    for index in range(files):
+        write_jsonl(folder / f"part-{index}.jsonl", [{"text": d} for d in documents[index::files]])
+    return f"{folder}/part-*.jsonl"
+
+
+def build(spec: str, model_dir: Path, root: Path, **fmt: Any) -> TokenSplit:
+    from transformers import AutoTokenizer
+    train, _ = open_or_build(resolve_source(spec, "--data"), AutoTokenizer.from_pretrained(model_dir), model_dir,
+                             TextFormat(**fmt), 0.0, root)
+    return train
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def test_a_later_run_reuses_the_entry_and_any_change_makes_another(tmp_path: Path, model_dir: Path,
+                                                                   capfd: pytest.CaptureFixture[str]) -> None:
+    spec, root = _corpus(tmp_path / "data"), tmp_path / "cache"
+    first = build(spec, model_dir, root)
+    assert "tokenized" in capfd.readouterr().err
+    stamp = (first.folder / "train.tokens").stat().st_mtime_ns
+    again = build(spec, model_dir, root)
+    assert again.folder == first.folder and (again.folder / "train.tokens").stat().st_mtime_ns == stamp
+    assert "tokenized" not in capfd.readouterr().err and sorted(p.name for p in root.iterdir()) == [first.folder.name]
+    assert build(spec, model_dir, root, assistant_only_loss=False).folder != first.folder  # the row options count
+
+    changed = tmp_path / "data" / "part-1.jsonl"
+    changed.write_text(changed.read_text().replace("the", "THE"))  # same size, other text
+    after_edit = build(spec, model_dir, root)
+    assert after_edit.folder != first.folder and after_edit.tokens != first.tokens
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 77}))
+    try:
+        assert build(spec, model_dir, root).folder not in (first.folder, after_edit.folder)
+    finally:
+        (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+_BUILDER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from tests.test_text_cache import build
+    build(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+""")
+
+
+def test_a_build_killed_midway_is_never_read_and_is_built_again(tmp_path: Path, model_dir: Path) -> None:
+    spec, root = _corpus(tmp_path / "data", files=4), tmp_path / "cache"
+    builder = subprocess.Popen([sys.executable, "-c", _BUILDER, spec, str(model_dir), str(root)],
+                               env=slow_writes_env(30, inside=".building-"), text=True)
+    kill_when(builder, lambda: any(root.glob("*.building-*/unit-*.tokens")), "a unit being written")
+    (dead,) = root.glob("*.building-*")
+    assert not any(path.is_dir() and ".building-" not in path.name for path in root.iterdir())  # nothing to read
+    rebuilt = build(spec, model_dir, root)
+    assert not dead.exists()  # its lock was free: a dead build's folder, cleared
+    assert _files(rebuilt.folder) == _files(build(spec, model_dir, tmp_path / "clean").folder)
+
+
+def test_an_incomplete_entry_is_set_aside_and_built_again(tmp_path: Path, model_dir: Path,
+                                                          capfd: pytest.CaptureFixture[str]) -> None:
+    spec, root = _corpus(tmp_path / "data"), tmp_path / "cache"
+    entry = build(spec, model_dir, root).folder
+    whole = _files(entry)
+    with (entry / "train.tokens").open("r+b") as tokens:
+        tokens.truncate(100)
+    assert _files(build(spec, model_dir, root).folder) == whole
+    assert "incomplete cache entry" in capfd.readouterr().err and len(list(root.glob("*.broken-*"))) == 1
+
+
+def test_an_unusable_cache_folder_is_one_line(tmp_path: Path, model_dir: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError, match=r"--data-cache=.*file/cache'?: expected a folder this run can write"):
+        build(_corpus(tmp_path / "data"), model_dir, tmp_path / "file" / "cache")
+
+
+def _build_on_ranks(ctx: object, spec: str, model_dir: Path, root: Path) -> dict[str, bytes] | str:
+    try:
+        return _files(build(spec, model_dir, root).folder)
+    except UsageError as error:
+        return f"UsageError: {error}"
+
+
+def test_ranks_share_the_build_and_a_bad_row_on_rank_1_stops_both(tmp_path: Path, model_dir: Path) -> None:
+    spec = _corpus(tmp_path / "data", files=5)
+    shared = run_ranks(_build_on_ranks, 2, spec, model_dir, tmp_path / "two")
+    assert shared[0] == shared[1] == _files(build(spec, model_dir, tmp_path / "one").folder)
+    bad = tmp_path / "data" / "part-3.jsonl"  # the fourth unit: rank 1's
+    bad.write_text(bad.read_text() + '{"text": "fine"}\n{"txt": "no text field"}\n')
+    failed = run_ranks(_build_on_ranks, 2, spec, model_dir, tmp_path / "two")
+    lines = len(bad.read_text().splitlines())
+    assert failed[0] == failed[1] and f"part-3.jsonl, line {lines}" in str(failed[0])
+    assert "expected rows with a 'text' field" in str(failed[0])
