@@ -6,10 +6,6 @@ number of windows (1e9 of them)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +13,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
+from ddp_amp.bench.data import memory_probe, sparse_entry
 from ddp_amp.data import BatchStream
 from ddp_amp.data.order import GlobalOrder
 from ddp_amp.trainer.resume import map_data_position
@@ -91,48 +88,11 @@ def test_a_run_resumed_on_4_then_2_then_1_ranks_trains_on_the_straight_runs_samp
     assert first + second + third == straight
 
 
-_MEMORY_PROBE = textwrap.dedent("""
-    import json, resource, sys, time
-    from pathlib import Path
-    import torch
-    from ddp_amp.data import BatchStream
-    from ddp_amp.data.token_store import TokenSplit
-    from ddp_amp.data.windows import WrappedWindows
-    folder, seq = Path(sys.argv[1]), int(sys.argv[2])
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    started = time.perf_counter()
-    windows = WrappedWindows(TokenSplit(folder, "train"), seq, boundaries=True, pad_id=0)
-    stream = BatchStream(windows, 16, 1, 4, seed=0, device=torch.device("cpu"), samples_per_step=64)
-    for _ in range(20):
-        batch = next(stream)
-    print(json.dumps({"windows": len(windows), "grown_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                      - baseline, "shape": list(batch["input_ids"].shape), "seconds": time.perf_counter() - started}))
-""")
-
-
-def _sparse_entry(folder: Path, windows: int, seq: int) -> Path:
-    """A cache entry of `windows` windows of zero tokens in one document, as sparse files: no
-    real tokens on disk, the sizes and layout of a real entry."""
-    folder.mkdir()
-    tokens = windows * (seq + 1)
-    meta = {"format": 1, "dtype": "uint16", "kind": "text", "masked": False, "units": [],
-            "splits": {"train": {"documents": 1, "tokens": tokens, "max_id": 0}}}
-    (folder / "meta.json").write_text(json.dumps(meta))
-    with (folder / "train.tokens").open("wb") as handle:
-        handle.truncate(tokens * 2)
-    np.array([0, tokens], dtype=np.uint64).tofile(folder / "train.offsets")
-    np.zeros(1, dtype=np.uint64).tofile(folder / "train.rows")
-    return folder
-
-
 def test_a_ranks_memory_does_not_grow_with_a_billion_windows(tmp_path: Path) -> None:
     seq = 7
     grown = {}
-    for windows in (1_000, 1_000_000_000):
-        entry = _sparse_entry(tmp_path / str(windows), windows, seq)
-        out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(entry), str(seq)], capture_output=True,
-                             text=True, check=True)
-        report = json.loads(out.stdout.strip().splitlines()[-1])
+    for windows in (1_000, 1_000_000_000):  # sparse token files: the sizes of a real entry, no tokens on disk
+        report = memory_probe(sparse_entry(tmp_path / str(windows), windows, seq), seq)
         assert report["windows"] == windows and report["shape"] == [16, seq]
         grown[windows] = report["grown_kib"]
     # A permutation of 1e9 indices alone would be 8 GB; the growth is the same few MB either way.

@@ -8,6 +8,7 @@
     python -m ddp_amp.bench --sections checkpoint --scale 1  # async vs sync save stall, 101M params
     python -m ddp_amp.bench --sections resume --check  # bytes each rank hashes on resume
     python -m ddp_amp.bench --sections scale --check   # the liveness watch at 64-16,384 ranks
+    python -m ddp_amp.bench --sections data --check    # tokenizing, the loader, memory at 1e9 windows
     python -m ddp_amp.bench --json bench.json       # also write the figures as JSON
     python -m ddp_amp.bench --help                  # every option
 
@@ -35,11 +36,12 @@ from typing import Any, NoReturn
 
 import torch
 
-from ddp_amp.bench import (activation_memory, amp_recipe, build_memory, checkpoint_stall, fastpaths, host, memory,
-                           overhead, resume, scale, table, transformer)
+from ddp_amp.bench import (activation_memory, amp_recipe, build_memory, checkpoint_stall, data, fastpaths, host,
+                           memory, overhead, resume, scale, table, transformer)
 from ddp_amp.bench.targets import check_report, check_text
 
-SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint", "memory", "resume", "scale")
+SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint", "memory", "resume", "scale",
+            "data")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
         "host copy; the write runs in the background) against a synchronous save, as paired saves of one "
         "trainer on an mlp of 8 layers of width 4096 x --scale (101M parameters and AdamW state at scale 1); "
         "(resume) each rank's verification time and bytes hashed when a sharded checkpoint is found again, "
-        "on 1, 2 and 4 gloo ranks, against its own shards plus the replicated files. "
+        "on 1, 2 and 4 gloo ranks, against its own shards plus the replicated files; (data) tokenizing JSON lines "
+        "per core against datasets.map, the causal_lm loader's draw against its step, a rank's memory with 1e9 "
+        "windows. "
         "Defaults depend on the device: recipe sizes on CUDA, 1/16 of them and short runs on CPU.")
     parser.add_argument("--scale-ranks", default=",".join(map(str, scale.RANKS)),
                         help="the scale section's world sizes, comma-separated (default: %(default)s)")
@@ -234,6 +238,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         section = scale.run(tuple(int(n) for n in args.scale_ranks.split(",")), args.scale_silence)
         report["sections"]["scale"] = section
         print("\n" + scale.scale_table(section), flush=True)
+    if "data" in args.sections:
+        section = data.run()
+        report["sections"]["data"] = section
+        print("\n" + data.data_table(section), flush=True)
     return report
 
 

@@ -47,15 +47,16 @@ class TextFormat:
         return asdict(self)
 
 
-def row_kind(row: dict[str, Any], fmt: TextFormat, where: str) -> str:
-    """The kind of `row`, or a one-line error naming the fields it has."""
+def row_kind(row: dict[str, Any], fmt: TextFormat, where: Callable[[], str]) -> str:
+    """The kind of `row`, or a one-line error naming the fields it has (and where the row is:
+    `where()`, only then, as finding a line number reads the file up to it)."""
     if "messages" in row:
         return "messages"
     if "prompt" in row and "completion" in row:
         return "prompt_completion"
     if fmt.dataset_text_field in row:
         return "text"
-    raise UsageError("--data", where, f"rows with a {fmt.dataset_text_field!r} field, 'messages', or 'prompt' and "
+    raise UsageError("--data", where(), f"rows with a {fmt.dataset_text_field!r} field, 'messages', or 'prompt' and "
                      f"'completion' (this row has {', '.join(sorted(row)) or 'no fields'})",
                      "name the text field with --task-opt dataset_text_field=FIELD")
 
@@ -98,7 +99,9 @@ class Encoder:
         return [(self._ended(encoding.ids) if text else [], None) for text, encoding in zip(texts, encodings)]
 
     def _ended(self, ids: list[int]) -> list[int]:
-        return ids if ids and ids[-1] == self.eos else ids + [self.eos]
+        if not ids or ids[-1] != self.eos:
+            ids.append(self.eos)  # a list of our own: the encoding makes a new one each time
+        return ids
 
     def _one(self, kind: str, row: dict[str, Any], where: Callable[[], str]) -> Encoded:
         prompt, completion = row.get("prompt"), row.get("completion")
@@ -117,7 +120,7 @@ class Encoder:
 
     def _completion(self, prompt: str, completion: str) -> Encoded:
         encoding = self.backend.encode(prompt + completion, add_special_tokens=True)
-        ids = self._ended(list(encoding.ids))
+        ids = self._ended(encoding.ids)
         if not self.fmt.completion_only_loss:
             return ids, [1] * len(ids)
         boundary = len(prompt)

@@ -17,6 +17,8 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from functools import partial
+from itertools import chain
 from pathlib import Path
 from typing import IO, Any
 
@@ -55,18 +57,22 @@ class _SplitWriter:
         self._tokens: IO[bytes] | None = None
         self._mask: IO[bytes] | None = None
 
-    def add(self, ids: list[int], mask: list[int] | None, locator: int) -> None:
+    def add(self, documents: list[tuple[list[int], list[int] | None, int]]) -> None:
+        """Append (ids, mask, locator) documents: one write of each file per batch."""
+        if not documents:
+            return
         if self._tokens is None:
             self._tokens = _unit_path(self.staging, self.index, f"{self.split}.tokens").open("wb")
-            if mask is not None:
+            if documents[0][1] is not None:
                 self._mask = _unit_path(self.staging, self.index, f"{self.split}.mask").open("wb")
-        array = np.asarray(ids, dtype=np.int64)
-        self.max_id = max(self.max_id, int(array.max()))
-        self._tokens.write(array.astype(self.dtype).tobytes())
-        if self._mask is not None and mask is not None:
-            self._mask.write(np.asarray(mask, dtype=np.uint8).tobytes())
-        self.lengths.append(len(ids))
-        self.rows.append(locator)
+        ids = np.fromiter(chain.from_iterable(doc for doc, _, _ in documents), dtype=np.int64)
+        self.max_id = max(self.max_id, int(ids.max()))
+        self._tokens.write(ids.astype(self.dtype).tobytes())
+        if self._mask is not None:
+            self._mask.write(np.fromiter(chain.from_iterable(mask or () for _, mask, _ in documents),
+                                         dtype=np.uint8).tobytes())
+        self.lengths += [len(doc) for doc, _, _ in documents]
+        self.rows += [locator for _, _, locator in documents]
 
     def close(self) -> dict[str, int]:
         for stream in (self._tokens, self._mask):
@@ -93,23 +99,24 @@ def tokenize_unit(unit: Unit, index: int, file_index: int, encoder: Encoder, fmt
         if kind is None or not batch:
             return
         encoded = encoder.encode(kind, [row for _, row in batch], lambda i: where(unit, batch[i][0]))
-        tokens = 0
+        placed: dict[str, list[tuple[list[int], list[int] | None, int]]] = {split: [] for split in SPLITS}
         for (locator, _), (ids, mask) in zip(batch, encoded):
             if not ids:
                 empty += 1
                 continue
-            split = "eval" if held_out(file_index, locator, test_size) else "train"
-            writers[split].add(ids, mask, locator)
-            tokens += len(ids)
-        counted(len(batch), tokens)
+            placed["eval" if held_out(file_index, locator, test_size) else "train"].append((ids, mask, locator))
+        for split, documents in placed.items():
+            writers[split].add(documents)
+        counted(len(batch), sum(len(ids) for ids, _ in encoded))
         batch.clear()
 
     for locator, row in read_rows(unit, fmt.sample_by):
+        located = partial(where, unit, locator)
         if kind is None:
-            kind = row_kind(row, fmt, where(unit, locator))
+            kind = row_kind(row, fmt, located)
             encoder.check(kind, unit.file.path)
-        elif row_kind(row, fmt, where(unit, locator)) != kind:
-            raise UsageError("--data", where(unit, locator), f"rows of one kind in a source (the first was {kind})",
+        elif row_kind(row, fmt, located) != kind:
+            raise UsageError("--data", located(), f"rows of one kind in a source (the first was {kind})",
                              "give text, conversations and completions as separate --data sources")
         batch.append((locator, row))
         if len(batch) >= BATCH_ROWS:
@@ -117,9 +124,9 @@ def tokenize_unit(unit: Unit, index: int, file_index: int, encoder: Encoder, fmt
     flush()
     marker = {"kind": kind, "empty": empty, "splits": {split: writer.close() for split, writer in writers.items()}}
     done = _unit_path(staging, index, "json")
-    partial = done.with_suffix(".json.partial")
-    partial.write_text(json.dumps(marker))
-    os.replace(partial, done)  # the unit is done only once this name exists
+    pending = done.with_suffix(".json.partial")
+    pending.write_text(json.dumps(marker))
+    os.replace(pending, done)  # the unit is done only once this name exists
 
 
 def unit_done(staging: Path, index: int) -> bool:
