@@ -1,5 +1,9 @@
 """An example of a Hugging Face model as your task: a small Llama-style causal LM.
 
+This shows how a task of your own builds a transformers model; it is not a fine-tuning
+recipe. Its data is word ids of the Python docs, not the model's own tokens: to train a
+pretrained model on your text, use the built-in `--task causal_lm` (docs/data.md).
+
 Run it from the repository root (the folder that holds `examples/`), after
 `pip install 'ddp_amp[hf]'` (which brings `transformers`):
 
@@ -22,11 +26,10 @@ item), vocab (keep the N most frequent words), tokens (use only the first N word
 model (a Hugging Face model directory or hub name: its architecture and config instead of the
 small Llama; width, layers and heads are then the model's).
 
-Fine-tuning a pretrained model: `--task-opt model=DIR --init-weights DIR` builds the model
-from DIR's config (under --shard each rank builds only its shards: `build_model`), then loads
-DIR's weights, each rank reading only the slices it holds; `python -m ddp_amp.export RUN --to
-OUT --hf` hands back a directory `from_pretrained` loads. README.md, "Fine-tuning a Hugging
-Face model", has the commands for one node and for Slurm.
+`--task-opt model=DIR --init-weights DIR` builds the model from DIR's config (under --shard
+each rank builds only its shards: `build_model`), then loads DIR's weights, each rank reading
+only the slices it holds; `python -m ddp_amp.export RUN --to OUT --hf` hands back a directory
+`from_pretrained` loads. With its word ids, that is a test of the machinery, not a recipe.
 """
 
 from __future__ import annotations

@@ -97,3 +97,33 @@ def test_a_ranks_memory_does_not_grow_with_a_billion_windows(tmp_path: Path) -> 
         grown[windows] = report["grown_kib"]
     # A permutation of 1e9 indices alone would be 8 GB; the growth is the same few MB either way.
     assert grown[1_000_000_000] - grown[1_000] < 32 * 1024, grown
+
+
+def test_a_mixture_uses_each_source_its_weight_times_per_epoch() -> None:
+    from ddp_amp.data.mixture import Mixture
+
+    class Tagged(Dataset):
+        def __init__(self, tag: str, size: int) -> None:
+            self.tag, self.size = tag, size
+
+        def __len__(self) -> int:
+            return self.size
+
+        def __getitem__(self, index: int) -> tuple[str, int]:
+            if not 0 <= index < self.size:
+                raise IndexError(index)
+            return self.tag, index
+
+    mixture = Mixture([(Tagged("a", 10), 1.0), (Tagged("b", 8), 2.5), (Tagged("c", 6), 0.5)], seed=4)
+    assert len(mixture) == 10 + 20 + 3
+    epochs = []
+    for epoch in range(4):
+        mixture.set_epoch(epoch)
+        items = [mixture[i] for i in range(len(mixture))]
+        counts = {tag: [index for t, index in items if t == tag] for tag in "abc"}
+        assert sorted(counts["a"]) == list(range(10))
+        assert all(counts["b"].count(i) in (2, 3) for i in range(8)) and len(counts["b"]) == 20
+        assert len(set(counts["c"])) == 3
+        epochs.append(sorted(counts["c"]))
+    assert len({tuple(chosen) for chosen in epochs}) > 1  # a partly used source shows other windows per epoch
+    assert set(epochs[0]) | set(epochs[1]) == set(range(6))  # half in one epoch, the other half in the next

@@ -84,7 +84,7 @@ def test_a_plugin_returning_the_wrong_thing_says_what_was_expected(plugin_dir: P
 
 
 @pytest.mark.parametrize(("spec", "expected"), [
-    ("nosuchtask", "a built-in task (digits, lm, mlp) or 'package.module:function'"),
+    ("nosuchtask", "a built-in task (causal_lm, digits, lm, mlp) or 'package.module:function'"),
     ("no_such_module_xyz:make_task", "an importable module 'no_such_module_xyz'"),
     ("myplugin:missing", "a function 'missing' in module 'myplugin'"),
 ])

@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="memory, kept for backward: tokens per sequence (default: %(default)s)")
     parser.add_argument("--build-layers", type=int, default=build_memory.LAYERS,
                         help=f"memory, peak while built and sharded: Linear layers (default: {build_memory.LAYERS})")
+    parser.add_argument("--data-copies", type=int, default=data.COPIES,
+                        help="data: copies of the reference docs in the tokenizing corpus (default: %(default)s, "
+                        "about 6 MB)")
+    parser.add_argument("--data-trials", type=int, default=data.TRIALS,
+                        help="data: fresh processes per tokenizing contender, in turn (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per process (default: all cores for recipe trials, cores/ranks for ranks)")
     parser.add_argument("--check", action="store_true",
@@ -170,7 +175,8 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.transformer_precisions = tuple(t.strip() for t in args.transformer_precisions.split(",") if t.strip())
     bad = ([s for s in args.sections if s not in SECTIONS] + [t for t in args.trials if t not in amp_recipe.TRIALS]
            + [t for t in args.transformer_precisions if t not in transformer.PRECISIONS])
-    counts = (args.batches, args.epochs, args.ranks, args.blocks, args.steps_per_block, args.transformer_batch or 1)
+    counts = (args.batches, args.epochs, args.ranks, args.blocks, args.steps_per_block, args.transformer_batch or 1,
+              args.data_copies, args.data_trials)
     if bad or args.scale <= 0 or min(counts) < 1:
         _fail(f"bad value {bad[0] if bad else 'among the numbers'}; "
               f"sections {', '.join(SECTIONS)}, trials {', '.join(amp_recipe.TRIALS)}, transformer "
@@ -239,7 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["sections"]["scale"] = section
         print("\n" + scale.scale_table(section), flush=True)
     if "data" in args.sections:
-        section = data.run()
+        section = data.run(args.data_copies, args.data_trials)
         report["sections"]["data"] = section
         print("\n" + data.data_table(section), flush=True)
     return report

@@ -7,7 +7,8 @@
   `map(tokenizer, batched=True)` with the same fast tokenizer (a byte-level BPE of 8,192 ids
   trained on Python's reference docs, repeated into a corpus of about 6 MB). Each contender
   runs in a fresh process on one thread (TOKENIZERS_PARALLELISM=false, no cache reuse), in
-  turn, three times; the medians are compared. Target: ddp_amp at least level (ratio >= 1).
+  turn, three times (--data-trials); the medians are compared. Target: ddp_amp at least
+  level (ratio >= 1).
 - loader: the time to draw one micro-batch of the `causal_lm` task's windows (kept
   boundaries: the costlier path) against the time of one whole training step of the same
   Trainer (a small Llama, fp32), both measured in the same process. Target: at most 2% of a
@@ -37,7 +38,8 @@ from ddp_amp.bench.table import grid
 from ddp_amp.bench.targets import AT_LEAST, target_fields
 
 VOCAB = 8192
-REPEATS = 3
+COPIES = 8  # copies of the reference docs in the tokenizing corpus: about 6 MB
+TRIALS = 3
 WINDOWS = (1_000, 1_000_000_000)
 
 
@@ -122,15 +124,15 @@ def _tokenizer_dir(folder: Path) -> Path:
     return folder
 
 
-def _tokenize_rows(folder: Path) -> list[dict[str, Any]]:
+def _tokenize_rows(folder: Path, copies: int, trials: int) -> list[dict[str, Any]]:
     from pydoc_data.topics import topics
     corpus = folder / "corpus.jsonl"
-    documents = [topics[key] for key in sorted(topics)] * 8  # about 6 MB of text
+    documents = [topics[key] for key in sorted(topics)] * copies
     corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in documents))
     model = _tokenizer_dir(folder / "tokenizer")
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1"}
     runs: dict[str, list[dict[str, Any]]] = {"ddp_amp": [], "datasets.map": []}
-    for repeat in range(REPEATS):
+    for repeat in range(trials):
         for contender in (list(runs) if repeat % 2 == 0 else list(runs)[::-1]):
             with tempfile.TemporaryDirectory(dir=folder) as scratch:
                 out = subprocess.run([sys.executable, "-c", _TOKENIZE, contender, str(corpus), str(model), scratch],
@@ -190,7 +192,7 @@ def _memory_rows(folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def run() -> dict[str, Any]:
+def run(copies: int = COPIES, trials: int = TRIALS) -> dict[str, Any]:
     """The three measurements; a part that cannot run here says why instead."""
     section: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as scratch:
@@ -202,7 +204,7 @@ def run() -> dict[str, Any]:
         except ImportError:
             section["missing"] = "pip install 'ddp_amp[text]' for the tokenize and loader parts"
             return section
-        section["tokenize"] = {"rows": _tokenize_rows(folder)}
+        section["tokenize"] = {"rows": _tokenize_rows(folder, copies, trials)}
         section["loader"] = _loader_row(folder)
     return section
 
@@ -214,7 +216,7 @@ def data_table(section: dict[str, Any]) -> str:
         lines = [[row["contender"], f"{row['documents']:,}", f"{row['tokens']:,}", f"{row['seconds']:.2f}",
                   f"{row['documents_per_s']:,.0f}", f"{row['tokens_per_s']:,.0f}"]
                  for row in section["tokenize"]["rows"]]
-        parts.append("data: tokenizing JSON lines on one core (median of 3 fresh processes)\n" + grid(
+        parts.append("data: tokenizing JSON lines on one core (median of fresh processes, in turn)\n" + grid(
             ["contender", "documents", "tokens", "seconds", "docs/s", "tokens/s"], lines))
     if "loader" in section:
         row = section["loader"]

@@ -10,7 +10,15 @@ Which stream a task's data becomes (`make_stream`):
   micro-step, resumed by position, and mappable onto another number of ranks (batches.py).
 The first two keep a position per rank (loader_stream.py); a checkpoint saves every rank's.
 All of them keep the `Stream` contract (stream.py). `DataOptions` (options.py) holds the
-batch geometry and loader workers a run asks for.
+batch geometry and loader workers a run asks for, and the text sources.
+
+Text (the `causal_lm` task's, text_data.py puts it together), one stage a module:
+sources.py (what `--data` names) -> readers.py (rows, a unit of a file at a time) ->
+encoding.py (rows to tokens and loss masks, by the model's tokenizer) -> token_cache.py and
+unit_writer.py (tokenized once by every rank together into a cache entry) -> token_store.py
+(reading an entry without loading it) -> windows.py and packing.py (group_texts windows, or
+whole documents packed best-fit decreasing) -> mixture.py (sources by weight) -> the
+map-style stream above, in order.py's order.
 """
 
 from __future__ import annotations

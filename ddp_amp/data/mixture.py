@@ -1,17 +1,16 @@
 """Several sources' windows as one dataset, each used WEIGHT times per epoch.
 
-A source of n windows with weight w contributes round(w n) items to an epoch: its windows
-once each for every whole pass, and for the fraction left a seeded choice of them that
-changes from epoch to epoch (the stream calls `set_epoch`), so a source weighted 0.5 shows
-half its windows each epoch and all of them over two. The stream's order then shuffles the
-whole mixture. Nothing is indexed per window: an item's source is a binary search over the
-sources' counts, and the window a position within a pass of the source's own order
-(order.py).
+A source of n windows with weight w contributes c = round(w n) items to an epoch. Where c is
+not n, they are the next c windows of the source's own seeded order (order.py), which runs on
+from epoch to epoch (the stream calls `set_epoch`) and reshuffles at each pass: a source
+weighted 0.5 shows half its windows in one epoch and the other half in the next; one weighted
+2.5 shows each window 2 or 3 times an epoch. The stream's order then shuffles the whole
+mixture. Nothing is indexed per window: an item's source is a binary search over the
+sources' counts.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +27,6 @@ class Mixture(Dataset):
         self.parts = [dataset for dataset, _ in parts]
         self.sizes = [len(dataset) for dataset in self.parts]  # type: ignore[arg-type]  # map-style datasets
         self.counts = [round(weight * size) for (_, weight), size in zip(parts, self.sizes)]
-        self.passes = [max(1, math.ceil(count / size)) if size else 1 for count, size in zip(self.counts, self.sizes)]
         self.ends = np.cumsum(self.counts)
         self.orders = [GlobalOrder(size, seed * 1_000_003 + index) if size else None
                        for index, size in enumerate(self.sizes)]
@@ -48,5 +46,5 @@ class Mixture(Dataset):
         size, order = self.sizes[source], self.orders[source]
         if self.counts[source] == size or order is None:  # used exactly once: the stream's order shuffles it
             return self.parts[source][within]
-        turn = self.epoch * self.passes[source] + within // size
-        return self.parts[source][int(order.take(turn, within % size, 1)[0])]
+        drawn = self.epoch * self.counts[source] + within  # how far through the source's passes
+        return self.parts[source][int(order.take(drawn // size, drawn % size, 1)[0])]

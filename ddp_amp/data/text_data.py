@@ -27,7 +27,7 @@ from ddp_amp.data.sources import resolve_source
 from ddp_amp.data.token_cache import open_or_build
 from ddp_amp.data.token_store import TokenSplit
 from ddp_amp.data.windows import PackedWindows, WrappedWindows
-from ddp_amp.distributed import has_peers, on_rank_zero
+from ddp_amp.distributed import has_peers, on_every_rank, on_rank_zero
 from ddp_amp.errors import UsageError
 
 
@@ -95,8 +95,10 @@ def text_datasets(train_specs: tuple[str, ...], eval_specs: tuple[str, ...], tok
     train_parts: list[tuple[Dataset, float]] = []
     eval_parts: list[Dataset] = []
     keys: list[Any] = []
-    for spec in train_specs:
-        source = resolve_source(spec, "--data")
+    # Every source found on every rank, agreed, before the first collective of a build.
+    sources = on_every_rank(lambda: [resolve_source(spec, "--data") for spec in train_specs])
+    eval_sources = on_every_rank(lambda: [resolve_source(spec, "--eval-data") for spec in eval_specs])
+    for spec, source in zip(train_specs, sources):
         train, held = open_or_build(source, tokenizer, tokenizer_dir, fmt, test_size if not eval_specs else 0.0,
                                     cache_root)
         keys.append([train.folder.name, source.weight])
@@ -112,8 +114,7 @@ def text_datasets(train_specs: tuple[str, ...], eval_specs: tuple[str, ...], tok
         train_parts.append((windows, source.weight))
         if held is not None:
             eval_parts.append(_windows(held, options)[0])
-    for spec in eval_specs:
-        source = resolve_source(spec, "--eval-data")
+    for source in eval_sources:
         split, _ = open_or_build(source, tokenizer, tokenizer_dir, fmt, 0.0, cache_root)
         check_vocabulary(split, vocab_size, model)
         keys.append(["eval", split.folder.name])

@@ -44,6 +44,7 @@ from ddp_amp.data.readers import SAMPLE_BY
 from ddp_amp.data.text_data import WindowOptions, text_datasets
 from ddp_amp.data.token_cache import tokenizer_files
 from ddp_amp.data.windows import IGNORE
+from ddp_amp.distributed import on_every_rank
 from ddp_amp.errors import UsageError
 from ddp_amp.tasks import parse_task_options
 
@@ -191,8 +192,9 @@ def make_task(config: TrainConfig) -> Task:
         raise UsageError("--task", "causal_lm", "the transformers package installed",
                          "pip install 'ddp_amp[text]'") from None
     directory, seq = opts["model"], opts["max_length"]
-    architecture = model_config(directory, seq)
-    tokenizer = load_tokenizer(directory)
+    # On every rank, agreed before the data's collectives: a rank that cannot read the model
+    # directory fails together with the others instead of leaving them in a collective.
+    architecture, tokenizer = on_every_rank(lambda: (model_config(directory, seq), load_tokenizer(directory)))
     fmt = TextFormat(opts["dataset_text_field"], opts["sample_by"], opts["assistant_only_loss"],
                      opts["completion_only_loss"])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
