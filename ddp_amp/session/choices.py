@@ -15,15 +15,21 @@ import torch
 from ddp_amp.amp import Precision, resolve_precision
 from ddp_amp.distributed import DeviceChoice, resolve_device
 from ddp_amp.env import DistEnv
+from ddp_amp.parallel import ShardOptions, check_gather_dtype
 
 # The names a refusal gives the options: `Session`'s keywords, or the command line's flags.
-KEYWORDS: Mapping[str, str] = {"precision": "precision", "device": "device"}
-FLAGS: Mapping[str, str] = {"precision": "--precision", "device": "--device"}
+KEYWORDS: Mapping[str, str] = {"precision": "precision", "device": "device",
+                               "param_dtype": "ShardOptions.param_dtype"}
+FLAGS: Mapping[str, str] = {"precision": "--precision", "device": "--device", "param_dtype": "--shard-param-dtype"}
 
 
 def resolve_choices(precision: str | torch.dtype, device: DeviceChoice, backend: str, env: DistEnv,
-                    fp8_emulate: bool, names: Mapping[str, str]) -> tuple[torch.device, Precision]:
+                    fp8_emulate: bool, shard: ShardOptions | None,
+                    names: Mapping[str, str]) -> tuple[torch.device, Precision]:
     """This rank's device and precision, or a one-line UsageError naming the option by `names`
     (no collective: every rank of a node decides alike)."""
     chosen = resolve_device(device, env, backend, names["device"])
-    return chosen, resolve_precision(precision, chosen, fp8_emulate, names["precision"])
+    resolved = resolve_precision(precision, chosen, fp8_emulate, names["precision"])
+    if shard is not None:
+        check_gather_dtype(shard.param_dtype, resolved.name, (names["param_dtype"], names["precision"]))
+    return chosen, resolved

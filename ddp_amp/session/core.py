@@ -101,7 +101,8 @@ class Session(SessionPlace, SessionSaving):
         precision, device, backend, timeout_s, fp8_emulate = self._choices
         env = detect_env(os.environ if self._environ is None else self._environ)
         # Refused, where they are, before any group is joined.
-        chosen, self._precision = resolve_choices(precision, device, backend, env, fp8_emulate, self.option_names)
+        chosen, self._precision = resolve_choices(precision, device, backend, env, fp8_emulate, self._shard,
+                                                  self.option_names)
         # A group the caller made before is the caller's to destroy; one we make is ours.
         owns_group = not dist.is_initialized()
         ctx = init_distributed(env, chosen, backend, timeout_s, group_of_one=self._shard is not None,
