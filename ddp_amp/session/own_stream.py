@@ -11,8 +11,9 @@ batches and dropout masks afterwards than the same script under DDP.
 CPU generator runs as asked, on the build's stream, and then once more on a scratch copy of
 its operands, on the rank's own stream. The same ops in the same order draw the same count
 of numbers (with the same cached normal samples) as the plain build's, so the own stream
-ends where the plain build leaves it. The cost is the build's random draws once more, on
-the ranks whose stream is not rank 0's (about 5 ns a number on one CPU core).
+ends where the plain build leaves it. The cost, on the ranks whose stream is not rank 0's
+only: the build's random draws once more (about 5 ns a number on one CPU core), and while a
+parameter is drawn, a second tensor of its full size to draw the replay into.
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ def _draws_from_default_cpu(func: Any, args: tuple[Any, ...], kwargs: dict[str, 
 
 def _scratch(value: Any) -> Any:
     """A plain CPU tensor to replay an op on: a copy of a plain tensor (the op may write into
-    it, or read it), zeros of the shape of any other (a parameter that holds only a rank's rows)."""
+    it, or read it); for any other (a parameter that holds only a rank's rows, which the build
+    lets random fills overwrite only) an empty one of its full shape."""
     if not isinstance(value, torch.Tensor):
         return value
     if type(value) in (torch.Tensor, torch.nn.Parameter):
         return value.detach().clone()
-    return torch.zeros(value.shape, dtype=value.dtype)
+    return torch.empty(value.shape, dtype=value.dtype)
 
 
 class OwnStreamReplay(TorchDispatchMode):
