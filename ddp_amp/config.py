@@ -35,7 +35,7 @@ from ddp_amp.option_values import (
     flag_of,
     option,
 )
-from ddp_amp.parallel.options import ParallelOptions
+from ddp_amp.parallel.options import ParallelOptions, check_gather_dtype
 
 __all__ = ["LaunchOptions", "TaskOptions", "TrainConfig", "TrainingOptions", "flag_of", "match_fields",
            "same_setting", "text_of"]
@@ -176,6 +176,8 @@ class TrainConfig(ParallelOptions, GuardOptions, CheckpointOptions, LogOptions, 
             # Offloading frees GPU memory; a CPU run holds its shards on the host already.
             raise UsageError("--cpu-offload", True, "a CUDA run (--device cuda, or auto on a machine with a GPU)",
                              "drop --cpu-offload on a CPU run: its shards are on the host already")
+        if self.shard:  # under auto, the session refuses it once the device says fp16
+            check_gather_dtype(self.shard_param_dtype, self.precision, ("--shard-param-dtype", "--precision"))
         must_match = match_fields()
         for name in self.allow_change:
             if name not in must_match:

@@ -138,7 +138,7 @@ def diagnose(environ: Mapping[str, str], device: str = "auto", backend: str = "a
         "signals": signal_meanings(TrainConfig()),
     }
     try:
-        chosen = resolve_device(device, env, backend)  # type: ignore[arg-type]  # CLI str, checked at run time
+        chosen = resolve_device(device, env, backend)
         facts["device"] = str(chosen)
         facts["backend"] = resolve_backend(backend, chosen) if env.is_distributed else "none (one process)"  # type: ignore[arg-type]  # CLI str, checked
         auto = resolve_precision("auto", chosen)

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def spelled(option: str, value: str) -> str:
+    """How its caller sets `option` to `value`: `--precision fp16` for a command-line flag,
+    `precision="fp16"` for a keyword of a function or class."""
+    return f"{option} {value}" if option.startswith("--") else f'{option}="{value}"'
+
+
 class OneLineError(Exception):
     """An error whose message names the value, what was expected and a hint, on one line."""
 

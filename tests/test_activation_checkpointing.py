@@ -2,7 +2,8 @@
 full (and an older run's or a config file's `true`), selective keeps the matmul and attention
 outputs and recomputes the rest, and all three train to the same losses, bit for bit in fp32
 (the recompute replays the same ops, dropout included), on 2 real gloo ranks. A selective
-run's checkpoint resumes without checkpointing, on another world size."""
+run's checkpoint resumes without checkpointing, on another world size. A profiler annotation
+that only the recompute meets (FSDP's input cast with bf16 gathers) is let through."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from ddp_amp import UsageError
 from ddp_amp.command_line import parse_command_line
 from ddp_amp.config import same_setting
 from ddp_amp.parallel import ParallelPlan, ShardOptions
+from ddp_amp.parallel.recompute import checkpoint_units
 from tests.multiproc import run_train
 from tests.test_shard import LM
 
@@ -81,3 +85,33 @@ def test_every_mode_trains_to_the_same_losses_and_a_selective_checkpoint_resumes
                          "--run-dir", str(tmp_path / "resumed")])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert sorted(_losses(tmp_path / "resumed")) == [3, 4]
+
+
+class _AnnotatedInRecompute(nn.Module):
+    """What FSDP2's pre-forward hook does with bf16 gathers: a profiler annotation that the
+    recompute runs inside the checkpointed region and the forward ran before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.recomputing = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recomputing:  # the inputs are bf16 already then: the cast under it does nothing
+            with torch.profiler.record_function("FSDP::cast_forward_inputs"):
+                pass
+        return torch.relu(self.linear(x)).square()
+
+
+def test_selective_recompute_lets_through_an_annotation_only_the_recompute_meets() -> None:
+    torch.manual_seed(0)
+    plain, checkpointed = _AnnotatedInRecompute(), _AnnotatedInRecompute()
+    checkpointed.load_state_dict(plain.state_dict())
+    checkpoint_units([checkpointed], "selective")
+    x = torch.randn(3, 4)
+    plain(x).sum().backward()
+    out = checkpointed(x)
+    checkpointed.recomputing = True
+    out.sum().backward()  # torch 2.13 alone: "record_function... encountered during backward but not found"
+    for theirs, ours in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        assert torch.equal(theirs.grad, ours.grad)

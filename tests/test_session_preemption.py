@@ -1,6 +1,7 @@
 """`Session.preemption`: a loop of one's own stops on a preemption signal as the Trainer does:
 every rank at the same step, with a checkpoint, a line and a record, exit code 75; and the
-checkpoint resumes bitwise, again and again."""
+checkpoint resumes bitwise, again and again; the record says how long from the signal to the
+commit whichever rank got it; and the handlers come with a `with` block or start()/close()."""
 
 from __future__ import annotations
 
@@ -75,6 +76,8 @@ def test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_the_loop_resumes_
     records = [json.loads(line) for line in (preempted / "metrics.jsonl").read_text().splitlines()]
     assert [(r["event"], r["step"], r["action"]) for r in records] == [("preempted", 4, "requeue"),
                                                                       ("preempted", 7, "requeue")]
+    # The signal reached rank 1 alone; rank 0 writes the record and knows when it came.
+    assert all(isinstance(r["signal_to_commit_s"], float) and r["signal_to_commit_s"] >= 0 for r in records), records
     finished = _loop(preempted)
     assert finished.returncode == 0, finished.stderr[-3000:]
 
@@ -89,6 +92,19 @@ def test_preemption_options_are_checked_in_one_line() -> None:
             session.preemption(check_every_s=0)
         with pytest.raises(UsageError, match="signals"):
             session.preemption("KILL")
+
+
+def test_the_start_and_close_form_installs_and_gives_back_the_handlers(tmp_path: Path) -> None:
+    with Session("fp32", "cpu", environ={}) as session:
+        preemption = session.preemption(run_dir=tmp_path).start()  # the loop stays at this level
+        assert signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.should_stop(1)
+        record = preemption.stop(1, lambda: session.save(tmp_path / "step-00000001", {"step": 1}))
+        preemption.close()
+        preemption.close()  # idempotent, as Session.close is
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    assert record["exit_code"] == 75 and record["signal_to_commit_s"] >= 0
 
 
 def test_a_world_of_one_stops_at_the_step_its_signal_came_before(tmp_path: Path) -> None:

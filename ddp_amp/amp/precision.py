@@ -8,6 +8,10 @@ matching scaler, and it answers the questions other layers would otherwise ask o
 layer branches on dtype: bf16, fp8 and fp32 get a disabled scaler whose calls pass straight
 through. fp8 is bf16 autocast plus float8 linear layers (float8.py), which `parallelize`
 converts.
+
+A precision is named as the command line names it (`fp16`), or, from a script, as torch
+names its dtype (`float16`, `"torch.float16"`, `torch.float16`); refusals name the option
+as its caller spelled it: the flag `--precision`, or `Session`'s keyword `precision`.
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ from typing import Any, Literal
 
 import torch
 
-from ddp_amp.errors import UsageError
+from ddp_amp.errors import UsageError, spelled
 from ddp_amp.amp.float8 import fp8_unavailable
 from ddp_amp.amp.scaler import AgreedGradScaler, scaler_options_of
 
 PRECISION_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16", "fp8")
 PrecisionName = Literal["fp32", "bf16", "fp16", "fp8"]
 _NAMES: dict[str, PrecisionName] = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}
+# torch's names of the dtypes a precision computes in, as a script may spell them.
+_TORCH_NAMES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
 # fp8 autocasts to bf16: only the linear layers' matmuls run in float8.
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -171,40 +177,55 @@ def _resolve_auto(device: torch.device) -> Precision:
                      "precision would run many times slower; ask for --precision bf16/fp16 to force it")
 
 
-def resolve_precision(choice: str, device: torch.device, emulate_fp8: bool = False) -> Precision:
-    """Turn a `--precision` choice into a `Precision` for `device`, or raise with a hint.
+def precision_choice(value: str | torch.dtype, name: str = "--precision") -> str:
+    """`value` as one of PRECISION_CHOICES: ddp_amp's own names, or torch's for the dtype
+    (`float16`, `half`, `bfloat16`, `float32`, `float`, with or without `torch.`, or the
+    `torch.dtype` itself); else a one-line UsageError naming option `name`."""
+    text = str(value) if isinstance(value, torch.dtype) else value
+    if isinstance(text, str):
+        bare = text.removeprefix("torch.")
+        if text in PRECISION_CHOICES:
+            return text
+        if bare in _TORCH_NAMES:
+            return _TORCH_NAMES[bare]
+    raise UsageError(name, value, "one of " + ", ".join(PRECISION_CHOICES) + " (or torch's float32, bfloat16, "
+                     "float16)", "fp16 and bf16 are the mixed-precision modes; auto picks per device")
+
+
+def resolve_precision(choice: str | torch.dtype, device: torch.device, emulate_fp8: bool = False,
+                      name: str = "--precision") -> Precision:
+    """Turn a precision choice (`precision_choice`'s spellings) into a `Precision` for
+    `device`, or raise with a hint; messages call the option `name`.
 
     `emulate_fp8` lets fp8 run on any device through torchao's emulation (for tests).
     """
-    if choice not in PRECISION_CHOICES:
-        raise UsageError("--precision", choice, "one of " + ", ".join(PRECISION_CHOICES),
-                         "fp16 and bf16 are the mixed-precision modes; auto picks per device")
+    choice = precision_choice(choice, name)
     if choice == "auto":
         return _resolve_auto(device)
     if choice == "fp32":
         return Precision("fp32", device.type, "requested")
     if choice == "fp8":
-        return _resolve_fp8(device, emulate_fp8)
+        return _resolve_fp8(device, emulate_fp8, name)
     dtype = _DTYPES[choice]
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(
             including_emulation=False):
-        raise UsageError("--precision", choice, "a GPU with bf16 support (Ampere or newer)",
-                         "use --precision fp16 on this GPU")
+        raise UsageError(name, choice, "a GPU with bf16 support (Ampere or newer)",
+                         f"use {spelled(name, 'fp16')} on this GPU")
     if not _autocast_honours(device.type, dtype):
-        raise UsageError("--precision", choice, f"a device whose autocast supports {choice}",
-                         f"{device.type} cannot run {choice} autocast; use --precision fp32 or auto")
+        raise UsageError(name, choice, f"a device whose autocast supports {choice}",
+                         f"{device.type} cannot run {choice} autocast; use {spelled(name, 'fp32')} or auto")
     reason = "requested"
     if device.type == "cpu" and not cpu_has_native_bf16():
         reason = "requested; this CPU has no native low-precision units, expect it to be slow"
     return Precision(as_precision_name(choice), device.type, reason)
 
 
-def _resolve_fp8(device: torch.device, emulate: bool) -> Precision:
+def _resolve_fp8(device: torch.device, emulate: bool, name: str) -> Precision:
     why_not = fp8_unavailable(device, emulate)
     if why_not is not None:
-        raise UsageError("--precision", "fp8", "a GPU with float8 matmuls and torchao installed", why_not)
+        raise UsageError(name, "fp8", "a GPU with float8 matmuls and torchao installed", why_not)
     if not _autocast_honours(device.type, torch.bfloat16):
-        raise UsageError("--precision", "fp8", "a device whose autocast supports bf16",
-                         f"{device.type} cannot run bf16 autocast; use --precision fp32")
+        raise UsageError(name, "fp8", "a device whose autocast supports bf16",
+                         f"{device.type} cannot run bf16 autocast; use {spelled(name, 'fp32')}")
     reason = "requested; emulated float8 matmuls (slow)" if emulate else "requested; float8 matmuls"
     return Precision("fp8", device.type, reason, emulate_fp8=emulate)

@@ -154,7 +154,7 @@ def _async_pairs(ctx: DistContext, hidden: int, layers: int, pairs: int, directo
 def run_async_bench(hidden: int = ASYNC_HIDDEN, layers: int = ASYNC_LAYERS, pairs: int = 5,
                     directory: str | None = None, device: str = "cpu") -> dict[str, Any]:
     """Loop stall of a background save against a synchronous one, in this process."""
-    return _async_pairs(init_distributed(DistEnv(), device=device), hidden, layers, pairs,  # type: ignore[arg-type]  # str device: checked at run time
+    return _async_pairs(init_distributed(DistEnv(), device=device), hidden, layers, pairs,
                         directory)
 
 

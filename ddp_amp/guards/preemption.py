@@ -75,6 +75,9 @@ class PreemptionWatch:
         self.distributed = distributed
         self.received: signal.Signals | None = None  # first signal seen on this rank
         self.received_at = 0.0  # time.monotonic() when it came
+        # time.monotonic() on this rank when the first signal reached any rank: agreed at the
+        # check that stopped the job (each rank sends how long ago its own came; 0.0 before).
+        self.signalled_at = 0.0
         self.stopped_by: str = ""  # name of the signal that stopped the job (any rank's)
         self.requeue = False  # whether that signal asks for a requeue
         self._previous: dict[int, Any] = {}
@@ -128,23 +131,29 @@ class PreemptionWatch:
         if not self.signums:
             return False
         if not self.distributed:  # a world of one: reading a flag costs nothing
-            return self._stopping(self.received is not None, self.received)
+            return self._stopping(self.received is not None, self.received, self._signal_age())
         if step < self._next_check:
             return False
         now = time.perf_counter()
         per_step = (now - self._last_time) / max(step - self._last_step, 1)
-        vote = torch.tensor([0.0 if self.received is None else float(self.received), per_step],
+        vote = torch.tensor([0.0 if self.received is None else float(self.received), per_step, self._signal_age()],
                             dtype=torch.float64, device=self.device)
-        signum, slowest = all_reduce_(vote, op=torch.distributed.ReduceOp.MAX).tolist()
+        signum, slowest, age = all_reduce_(vote, op=torch.distributed.ReduceOp.MAX).tolist()
         interval = int(self.check_s / max(slowest, 1e-6))
         self._next_check = step + min(max(interval, 1), MAX_CHECK_INTERVAL)
         self._last_step, self._last_time = step, time.perf_counter()
-        return self._stopping(signum > 0, signal.Signals(int(signum)) if signum > 0 else None)
+        return self._stopping(signum > 0, signal.Signals(int(signum)) if signum > 0 else None, age)
 
-    def _stopping(self, stop: bool, signum: signal.Signals | None) -> bool:
+    def _signal_age(self) -> float:
+        """Seconds since this rank's signal came (0.0 without one): an interval of this rank's
+        own clock, so the ranks' MAX is the oldest signal's age whatever their clocks read."""
+        return time.monotonic() - self.received_at if self.received is not None else 0.0
+
+    def _stopping(self, stop: bool, signum: signal.Signals | None, age: float) -> bool:
         if stop and signum is not None:
             self.stopped_by = signum.name
             self.requeue = signum in self.requeue_signums
+            self.signalled_at = time.monotonic() - age
         return stop
 
 
@@ -262,7 +271,7 @@ def stop_for_preemption(save_checkpoint: Callable[[], Path | None], watch: Preem
         why_not = _not_requeued_because(action, watch.stopped_by, path, requeue_allowed, environ, max_requeues)
         record = {"event": "preempted", "step": step, "signal": watch.stopped_by, "action": action,
                   "checkpoint": str(path) if path else None, "requeuing": not why_not,
-                  "signal_to_commit_s": round(committed - watch.received_at, 3) if watch.received_at else None}
+                  "signal_to_commit_s": round(committed - watch.signalled_at, 3) if watch.signalled_at else None}
         next_ = why_not or f"requeuing SLURM job {environ.get('SLURM_JOB_ID')}"
         for stream in (sys.stdout, sys.stderr):  # what this process wrote before, out ahead of the line
             stream.flush()

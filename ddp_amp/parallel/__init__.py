@@ -17,10 +17,11 @@ from ddp_amp.parallel.fsdp import (Units, default_units, describe_units, fused_k
                                    shard_units)
 from ddp_amp.parallel.meta_init import ShardSlot, build_sharded, is_built_sharded, shard_slot
 from ddp_amp.parallel.parallelize import Parallelized, parallelize
+from ddp_amp.parallel.options import check_gather_dtype
 from ddp_amp.parallel.plan import ParallelPlan, ShardOptions
 
 __all__ = [
-    "CommHook", "ParallelPlan", "Parallelized", "ShardOptions", "ShardSlot", "Units", "build_sharded", "comm_hook",
-    "default_units", "describe_units", "fused_kernel_takes", "is_built_sharded", "parallelize", "release_ddp",
-    "shard_model", "shard_slot", "shard_units", "wrap_ddp",
+    "CommHook", "ParallelPlan", "Parallelized", "ShardOptions", "ShardSlot", "Units", "build_sharded",
+    "check_gather_dtype", "comm_hook", "default_units", "describe_units", "fused_kernel_takes", "is_built_sharded",
+    "parallelize", "release_ddp", "shard_model", "shard_slot", "shard_units", "wrap_ddp",
 ]

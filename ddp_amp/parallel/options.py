@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddp_amp.errors import UsageError
+from ddp_amp.errors import UsageError, spelled
 from ddp_amp.option_values import INT_LIMIT, ComponentOptions, check_fields, flag_of, option
 from ddp_amp.parallel.plan import CHECKPOINTING, CHECKPOINTING_CHOICES
 
@@ -64,3 +64,16 @@ class ParallelOptions(ComponentOptions):
                                               ("cpu_offload", self.cpu_offload)) if on)
             raise UsageError(flag_of(name), getattr(self, name), "--shard with it (it is a sharding option)",
                              "add --shard, or drop it")
+
+
+def check_gather_dtype(param_dtype: str, precision: str, names: tuple[str, str]) -> None:
+    """Refuse parameters gathered in bf16 for fp16 compute, in one line naming `names` (the
+    gather option's, the precision's). FSDP would hand each unit bf16 weights and cast its
+    inputs, the activations between units, to bf16, which autocast then casts to fp16 per
+    op: bf16's 8-bit mantissa and fp16's narrow range at once (and torch's CPU layer norm
+    refuses the mix outright)."""
+    if param_dtype == "bf16" and precision == "fp16":
+        gather, compute = names
+        raise UsageError(gather, param_dtype, f"fp32 gathers under {spelled(compute, 'fp16')}",
+                         f"bf16 gathers go with bf16 compute: use {spelled(compute, 'bf16')}, or "
+                         f"{spelled(gather, 'fp32')} with fp16")

@@ -26,36 +26,44 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ddp_amp.amp import (AgreedGradScaler, AutocastModule, LossScaleOptions, Precision, StepResult, amp_step,
-                         resolve_precision, scaled_backward, unwrap_model)
+                         scaled_backward, unwrap_model)
 from ddp_amp.distributed import (BackendChoice, DeviceChoice, DistContext, Liveness, PeerWatch, agreed_origin,
                                  all_gather_objects,
                                  all_reduce_, announce_failure, init_distributed, on_rank_zero,
                                  shutdown_distributed, to_device)
-from ddp_amp.env import DistEnv, detect_env
+from ddp_amp.env import detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import check_rank_sync
 from ddp_amp.metrics.trackers import Trackers, start_trackers_on_rank_zero
 from ddp_amp.checkpoint import Checkpointer, LoadedWeights, load_pretrained
 from ddp_amp.parallel import ShardOptions, Units, fused_kernel_takes
+from ddp_amp.session.choices import KEYWORDS, resolve_choices
 from ddp_amp.session.models import SessionModels
 from ddp_amp.session.preemption import LoopPreemption, Signals
+from ddp_amp.session.place import SessionPlace
 from ddp_amp.session.saving import SessionSaving
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Session(SessionSaving):
-    """Launch environment, process group, precision and loss scaler for one process."""
+class Session(SessionPlace, SessionSaving):
+    """Launch environment, process group, precision and loss scaler for one process.
 
-    def __init__(self, precision: str = "auto", device: DeviceChoice = "auto",
+    `precision`: auto, fp32, bf16, fp16 or fp8, or torch's name of the dtype (`"float16"`,
+    `torch.bfloat16`); `device`: auto, cpu, cuda (the GPU of the local rank) or one GPU
+    (`"cuda:1"`, a `torch.device`)."""
+
+    option_names: ClassVar[Mapping[str, str]] = KEYWORDS  # how refusals name the options (choices.py)
+
+    def __init__(self, precision: str | torch.dtype = "auto", device: DeviceChoice = "auto",
                  backend: BackendChoice = "auto", timeout_s: float = 600.0,
                  scaler_options: Mapping[str, float | int] | None = None,
                  environ: Mapping[str, str] | None = None, *, fp8_emulate: bool = False,
@@ -92,13 +100,15 @@ class Session(SessionSaving):
                              "do not nest `with` blocks of one Session")
         precision, device, backend, timeout_s, fp8_emulate = self._choices
         env = detect_env(os.environ if self._environ is None else self._environ)
+        # Refused, where they are, before any group is joined.
+        chosen, self._precision = resolve_choices(precision, device, backend, env, fp8_emulate, self._shard,
+                                                  self.option_names)
         # A group the caller made before is the caller's to destroy; one we make is ours.
         owns_group = not dist.is_initialized()
-        ctx = init_distributed(env, device, backend, timeout_s, group_of_one=self._shard is not None,
+        ctx = init_distributed(env, chosen, backend, timeout_s, group_of_one=self._shard is not None,
                                liveness=self._liveness, replicate=self._shard.replicate if self._shard else 1,
                                host_collectives=self._shard is not None and self._shard.cpu_offload)
         try:
-            self._precision = resolve_precision(precision, ctx.device, fp8_emulate)
             self._scaler = self._precision.make_scaler(**self._scaler_options)
         except Exception:
             if owns_group:
@@ -165,38 +175,7 @@ class Session(SessionSaving):
             models.release()
         shutdown_distributed()
 
-    # -- where this process is -----------------------------------------------------------
-
-    @property
-    def ctx(self) -> DistContext:
-        if self._ctx is None:
-            raise UsageError("Session", "not started", "a started session",
-                             "use it inside `with Session(...) as session:`")
-        return self._ctx
-
-    @property
-    def env(self) -> DistEnv:
-        return self.ctx.env
-
-    @property
-    def rank(self) -> int:
-        return self.ctx.rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.ctx.env.local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.ctx.world_size
-
-    @property
-    def is_main(self) -> bool:
-        return self.ctx.is_main
-
-    @property
-    def device(self) -> torch.device:
-        return self.ctx.device
+    # -- where this process is: SessionPlace's ctx, env, rank, local_rank, world_size, is_main, device --
 
     @property
     def precision(self) -> Precision:

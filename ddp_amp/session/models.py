@@ -30,6 +30,7 @@ from ddp_amp.errors import UsageError
 from ddp_amp.distributed import is_sharded
 from ddp_amp.parallel import (ParallelPlan, ShardOptions, Units, build_sharded, is_built_sharded, parallelize,
                               release_ddp, shard_slot)
+from ddp_amp.session.own_stream import OwnStreamReplay
 from ddp_amp.session.same_start import broadcast_from_rank_zero
 
 # DDP's keywords that are fields of the plan; the rest pass through as `ddp_options`.
@@ -74,10 +75,17 @@ class SessionModels:
             # Rank 0's stream everywhere, as the rank-0 broadcast of a plain build gives: every
             # rank's rows then come from one model. (An object broadcast works on NCCL too.)
             dist.broadcast_object_list(first, src=0)
-            torch.set_rng_state(first[0])
-        model = build_sharded(factory, shard_slot(self.ctx.mesh))
-        if not torch.equal(own, first[0]):
-            torch.set_rng_state(own)  # ranks seeded apart keep their own streams (dropout, data order)
+        if torch.equal(own, first[0]):
+            return build_sharded(factory, shard_slot(self.ctx.mesh))
+        # Seeded apart (dropout, data order): this rank's own stream goes on from where a
+        # plain build would leave it (own_stream.py).
+        torch.set_rng_state(first[0])
+        replay = OwnStreamReplay(own)
+        try:
+            with replay:
+                model = build_sharded(factory, shard_slot(self.ctx.mesh))
+        finally:
+            torch.set_rng_state(replay.own)
         return model
 
     def plan(self, *, compile_model: bool, grad_comm_dtype: str, cast_outputs_to_fp32: bool, units: Units,

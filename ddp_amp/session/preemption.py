@@ -8,6 +8,9 @@
                 record = preemption.stop(step, lambda: session.save(root / step_dir_name(step), state))
                 raise SystemExit(record["exit_code"])  # 75 after USR1: requeued under SLURM
 
+or, keeping the loop at its level, `preemption = session.preemption(...).start()` before it
+and `preemption.close()` after it, as `Session` has `start()` and `close()`.
+
 It is the Trainer's machinery, not a copy of it (`ddp_amp.guards.preemption`): a signal only
 sets a flag (`PreemptionWatch`); `should_stop` agrees across ranks on a cadence of about
 `check_every_s` seconds of training; `stop` runs the caller's collective save in normal
@@ -50,8 +53,9 @@ def _signals(value: Signals, name: str) -> tuple[signal.Signals, ...]:
 class LoopPreemption:
     """Signal handlers, the agreed stop decision and the stop itself, for a `Session` loop.
 
-    Use it as a context manager around the loop: the handlers are installed on entry (from
-    the main thread) and the previous ones come back however the block ends.
+    Use it as a context manager around the loop, or `start()` and `close()` it: the handlers
+    are installed on entry (from the main thread) and the previous ones come back however the
+    block ends.
     """
 
     def __init__(self, ctx: DistContext, set_step: _SetsStep, environ: Mapping[str, str], *, signals: Signals,
@@ -74,11 +78,20 @@ class LoopPreemption:
             self._log = RunLog(Path(run_dir)) if ctx.is_main else QuietRunLog(ctx.rank)
 
     def __enter__(self) -> LoopPreemption:
-        self.watch.install(self.start_step)
-        return self
+        return self.start()
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
+        self.close()
+
+    def start(self) -> LoopPreemption:
+        """Install the signal handlers (from the main thread): what entering the `with` block
+        does, for a loop that keeps its level and calls `close()` when it ends."""
+        self.watch.install(self.start_step)
+        return self
+
+    def close(self) -> None:
+        """Give the previous handlers back and close the run log (idempotent)."""
         self.watch.restore()
         if self._log is not None:
             self._log.close()

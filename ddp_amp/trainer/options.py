@@ -12,6 +12,7 @@ from __future__ import annotations
 from ddp_amp.config import TrainConfig
 from ddp_amp.metrics.trackers import check_tracker_spec
 from ddp_amp.session import Session, ShardOptions
+from ddp_amp.session.choices import FLAGS
 
 
 def shard_options(config: TrainConfig) -> ShardOptions | None:
@@ -24,10 +25,16 @@ def shard_options(config: TrainConfig) -> ShardOptions | None:
                         cpu_offload=parallel.cpu_offload)
 
 
+class CommandLineSession(Session):
+    """The run core of a run from the command line: its refusals name the flags."""
+
+    option_names = FLAGS
+
+
 def session_for(config: TrainConfig) -> Session:
     """The run core as the options ask for it (enter it with `with`)."""
     precision, dist = config.precision_options(), config.dist_options()
-    return Session(precision.precision, dist.device, dist.backend, dist.dist_timeout,  # type: ignore[arg-type]  # strs, checked as choices
+    return CommandLineSession(precision.precision, dist.device, dist.backend, dist.dist_timeout,  # type: ignore[arg-type]  # strs, checked as choices
                    scaler_options=precision.loss_scale().scaler_kwargs(), fp8_emulate=precision.fp8_emulate,
                    shard=shard_options(config), liveness=dist.liveness())
 

@@ -1,4 +1,5 @@
-"""A loop of one's own on `Session` with `session.preemption` (run by tests under torchrun).
+"""A loop of one's own on `Session` with `session.preemption`'s start()/close() form (run by
+tests under torchrun).
 
 argv[1]: the run directory; argv[2]: the last step; argv[3]: a step at which rank 1 waits for
 a preemption signal before it goes on (0: none), having written its pid to `holding-N`.
@@ -34,22 +35,24 @@ with Session("fp32", "cpu") as session:
     if latest is not None:
         step = session.load(latest, state)["step"]
     # Every step checks (check_every_s tiny): the stop step is the one the signal came before.
-    with session.preemption(run_dir=run_dir, check_every_s=1e-6, start_step=step) as preemption:
-        while step < last_step:
-            data = torch.Generator().manual_seed(1000 * step + session.rank)  # the data of this step
-            inputs, target = torch.randn(8, 8, generator=data), torch.randn(8, 1, generator=data)
-            session.backward((model(inputs) - target).square().mean())
-            session.step(optimizer)
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            if step == hold_at and session.rank == 1:
-                (run_dir / f"holding-{step}").write_text(str(os.getpid()))
-                deadline = time.monotonic() + 120
-                while preemption.received is None and time.monotonic() < deadline:
-                    time.sleep(0.01)
-            if preemption.should_stop(step):
-                record = preemption.stop(step, partial(session.save, checkpoints / step_dir_name(step),
-                                                       {**state, "step": step}))
-                print(f"rank {session.rank} stops at step {step} with exit code {record['exit_code']}", flush=True)
-                sys.exit(record["exit_code"])
+    # The start()/close() form: the loop stays at the level of the session's block.
+    preemption = session.preemption(run_dir=run_dir, check_every_s=1e-6, start_step=step).start()
+    while step < last_step:
+        data = torch.Generator().manual_seed(1000 * step + session.rank)  # the data of this step
+        inputs, target = torch.randn(8, 8, generator=data), torch.randn(8, 1, generator=data)
+        session.backward((model(inputs) - target).square().mean())
+        session.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if step == hold_at and session.rank == 1:
+            (run_dir / f"holding-{step}").write_text(str(os.getpid()))
+            deadline = time.monotonic() + 120
+            while preemption.received is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+        if preemption.should_stop(step):
+            record = preemption.stop(step, partial(session.save, checkpoints / step_dir_name(step),
+                                                   {**state, "step": step}))
+            print(f"rank {session.rank} stops at step {step} with exit code {record['exit_code']}", flush=True)
+            sys.exit(record["exit_code"])
+    preemption.close()
     session.save(run_dir / "final", {**state, "step": step})

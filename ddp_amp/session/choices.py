@@ -1,0 +1,35 @@
+"""What a session is asked to run on and in, resolved before it joins a process group.
+
+A script spells them as torch does (`device="cuda:1"`, `precision="float16"` or
+`torch.float16`) or as the command line does (`cuda`, `fp16`); a refusal is one line that
+names the option as its caller spelled it: `Session`'s keyword (`precision=`), or, for the
+command line's session, the flag (`--precision`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ddp_amp.amp import Precision, resolve_precision
+from ddp_amp.distributed import DeviceChoice, resolve_device
+from ddp_amp.env import DistEnv
+from ddp_amp.parallel import ShardOptions, check_gather_dtype
+
+# The names a refusal gives the options: `Session`'s keywords, or the command line's flags.
+KEYWORDS: Mapping[str, str] = {"precision": "precision", "device": "device",
+                               "param_dtype": "ShardOptions.param_dtype"}
+FLAGS: Mapping[str, str] = {"precision": "--precision", "device": "--device", "param_dtype": "--shard-param-dtype"}
+
+
+def resolve_choices(precision: str | torch.dtype, device: DeviceChoice, backend: str, env: DistEnv,
+                    fp8_emulate: bool, shard: ShardOptions | None,
+                    names: Mapping[str, str]) -> tuple[torch.device, Precision]:
+    """This rank's device and precision, or a one-line UsageError naming the option by `names`
+    (no collective: every rank of a node decides alike)."""
+    chosen = resolve_device(device, env, backend, names["device"])
+    resolved = resolve_precision(precision, chosen, fp8_emulate, names["precision"])
+    if shard is not None:
+        check_gather_dtype(shard.param_dtype, resolved.name, (names["param_dtype"], names["precision"]))
+    return chosen, resolved
