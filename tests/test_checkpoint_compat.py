@@ -1,5 +1,7 @@
 """Checkpoints written by earlier code still resume: the CLI's `--resume` and `Session.load`,
-from copies of tests/fixtures/checkpoint_v0 (see its README for how they were made)."""
+from copies of tests/fixtures/checkpoint_v0 (every rank's RNG in one rng.pt) and, by
+`Session.load`, of tests/fixtures/checkpoint_v1 (manifest format 1, listing every rank's
+files); see their READMEs for how they were made."""
 
 from __future__ import annotations
 
@@ -17,15 +19,16 @@ from ddp_amp.tasks.mlp import make_model
 from tests.multiproc import run_train
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoint_v0"
+FORMAT_1 = Path(__file__).parent / "fixtures" / "checkpoint_v1"
 STEP = "step-00000003"
 TINY = ["--task", "mlp", "--device", "cpu", "--seed", "0", "--batch-size", "8", "--eval-every", "0",
         "--task-opt", "in_size=8", "--task-opt", "hidden=16", "--task-opt", "out_size=4", "--task-opt", "layers=2",
         "--task-opt", "samples=256", "--ckpt-every", "3"]
 
 
-def _copy(tmp_path: Path, name: str) -> Path:
+def _copy(tmp_path: Path, name: str, fixtures: Path = FIXTURES) -> Path:
     """A copy of fixture run `name`'s checkpoint, so nothing is written into the fixture."""
-    shutil.copytree(FIXTURES / name, tmp_path / "fixture" / name)
+    shutil.copytree(fixtures / name, tmp_path / "fixture" / name)
     return tmp_path / "fixture" / name / "checkpoints" / STEP
 
 
@@ -43,9 +46,10 @@ def _assert_same(weights: dict[str, torch.Tensor], saved: dict[str, torch.Tensor
         assert torch.equal(weights[name], tensor), name
 
 
+@pytest.mark.parametrize("fixtures", [FIXTURES, FORMAT_1], ids=["v0", "v1"])
 @pytest.mark.parametrize("name", ["single", "shard"])
-def test_session_load_restores_step_and_weights(tmp_path: Path, name: str) -> None:
-    checkpoint = _copy(tmp_path, name)
+def test_session_load_restores_step_and_weights(tmp_path: Path, name: str, fixtures: Path) -> None:
+    checkpoint = _copy(tmp_path, name, fixtures)
     saved = _saved_weights(checkpoint, tmp_path)
     with Session("fp32", "cpu", environ={}) as session:
         assert session.latest(checkpoint.parent) == checkpoint

@@ -38,7 +38,8 @@ from ddp_amp.checkpoint.discovery import (checkpoint_root, complete_copy, list_s
                                           resolve_resume, step_dir_name)
 from ddp_amp.checkpoint.layout import SavedState, module_file
 from ddp_amp.checkpoint.load import read_checkpoint
-from ddp_amp.checkpoint.manifest import IncompleteCheckpoint, verify_checkpoint
+from ddp_amp.checkpoint.manifest import IncompleteCheckpoint
+from ddp_amp.checkpoint.verify import verify_checkpoint
 from ddp_amp.checkpoint.meta import Meta, read_meta
 from ddp_amp.checkpoint.hf_directory import HF_CONFIG, parse_size, run_hf_config, write_hf_directory
 from ddp_amp.checkpoint.pretrained import LoadedWeights, load_pretrained, weight_files
