@@ -59,7 +59,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                     "--memory-width", "64", "--memory-layers", "4",
                     "--build-width", "64", "--build-layers", "4",
                     "--activation-width", "32", "--activation-layers", "2", "--activation-tokens", "16",
-                    "--scale-ranks", "16", "--scale-silence", "2",
+                    "--scale-ranks", "16", "--scale-silence", "2", "--resume-ranks", "4,16", "--resume-repeats", "1",
                     "--check", "--json", str(out))
     assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-3000:]
     return result, json.loads(out.read_text())
@@ -119,6 +119,10 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None
     assert scale_row["ranks"] == 16 and scale_row["false_names"] == 0 and scale_row["detection_s"] is not None
     assert scale_row["line"].startswith("ddp_amp: rank 15 went silent"), scale_row
     assert 0 <= scale_row["store_cpu_share"] < 1 and scale_row["requests_per_s"] > 0
+    # Rank 0's share of a save and a resume at 4 and 16 emulated ranks: the same file operations.
+    small, large = report["sections"]["resume"]["rank_zero"]["rows"]
+    assert (small["ranks"], large["ranks"]) == (4, 16) and small["save_ops"] == large["save_ops"] > 0
+    assert small["resume_ops"] == large["resume_ops"] > 0 and "rank 0's share at N emulated ranks" in text
 
 
 def test_check_lists_every_target_and_exits_1_exactly_when_one_is_missed(tiny_run: Run) -> None:
