@@ -87,6 +87,10 @@ class Checkpointer:
         their own, on gloo, since training's collectives go on while they write; None
         without a process group."""
         if self._group is None and dist.is_initialized():
+            if not dist.is_gloo_available():
+                raise UsageError("--async-checkpoint", "on", "a torch with the gloo backend, which background saves "
+                                 "talk over beside training", "this torch has none: save synchronously (drop "
+                                 "--async-checkpoint, or background=False)")
             self._group = dist.new_group(backend="gloo")
         return self._group
 
