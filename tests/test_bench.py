@@ -59,7 +59,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                     "--memory-width", "64", "--memory-layers", "4",
                     "--build-width", "64", "--build-layers", "4",
                     "--activation-width", "32", "--activation-layers", "2", "--activation-tokens", "16",
-                    "--scale-ranks", "16", "--scale-silence", "2", "--data-copies", "1", "--data-trials", "1",
+                    "--scale-ranks", "16", "--scale-silence", "2", "--resume-ranks", "4,16", "--resume-repeats", "1",
+                    "--data-copies", "1", "--data-trials", "1",
                     "--check", "--json", str(out))
     assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-3000:]
     return result, json.loads(out.read_text())
@@ -127,6 +128,10 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None
     assert 0 < data["loader"]["draw_s"] < data["loader"]["step_s"]
     assert [row["windows"] for row in data["memory"]["rows"]] == [1_000, 1_000_000_000]
     assert "data: a rank opening a cache entry" in text
+    # Rank 0's share of a save and a resume at 4 and 16 emulated ranks: the same file operations.
+    small, large = report["sections"]["resume"]["rank_zero"]["rows"]
+    assert (small["ranks"], large["ranks"]) == (4, 16) and small["save_ops"] == large["save_ops"] > 0
+    assert small["resume_ops"] == large["resume_ops"] > 0 and "rank 0's share at N emulated ranks" in text
 
 
 def test_check_lists_every_target_and_exits_1_exactly_when_one_is_missed(tiny_run: Run) -> None:

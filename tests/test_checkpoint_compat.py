@@ -1,5 +1,7 @@
 """Checkpoints written by earlier code still resume: the CLI's `--resume` and `Session.load`,
-from copies of tests/fixtures/checkpoint_v0 (see its README for how they were made)."""
+from copies of tests/fixtures/checkpoint_v0 (every rank's RNG in one rng.pt) and, by
+`Session.load`, the export and discovery, of tests/fixtures/checkpoint_v1 (manifest format
+1, listing every rank's files); see their READMEs for how they were made."""
 
 from __future__ import annotations
 
@@ -12,20 +14,23 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ddp_amp import Session
+from ddp_amp.checkpoint import newest_complete, verify_checkpoint
 from ddp_amp.checkpoint.meta import Meta, read_meta
+from ddp_amp.export import main as export_main
 from ddp_amp.tasks.mlp import make_model
 from tests.multiproc import run_train
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoint_v0"
+FORMAT_1 = Path(__file__).parent / "fixtures" / "checkpoint_v1"
 STEP = "step-00000003"
 TINY = ["--task", "mlp", "--device", "cpu", "--seed", "0", "--batch-size", "8", "--eval-every", "0",
         "--task-opt", "in_size=8", "--task-opt", "hidden=16", "--task-opt", "out_size=4", "--task-opt", "layers=2",
         "--task-opt", "samples=256", "--ckpt-every", "3"]
 
 
-def _copy(tmp_path: Path, name: str) -> Path:
+def _copy(tmp_path: Path, name: str, fixtures: Path = FIXTURES) -> Path:
     """A copy of fixture run `name`'s checkpoint, so nothing is written into the fixture."""
-    shutil.copytree(FIXTURES / name, tmp_path / "fixture" / name)
+    shutil.copytree(fixtures / name, tmp_path / "fixture" / name)
     return tmp_path / "fixture" / name / "checkpoints" / STEP
 
 
@@ -43,9 +48,10 @@ def _assert_same(weights: dict[str, torch.Tensor], saved: dict[str, torch.Tensor
         assert torch.equal(weights[name], tensor), name
 
 
+@pytest.mark.parametrize("fixtures", [FIXTURES, FORMAT_1], ids=["v0", "v1"])
 @pytest.mark.parametrize("name", ["single", "shard"])
-def test_session_load_restores_step_and_weights(tmp_path: Path, name: str) -> None:
-    checkpoint = _copy(tmp_path, name)
+def test_session_load_restores_step_and_weights(tmp_path: Path, name: str, fixtures: Path) -> None:
+    checkpoint = _copy(tmp_path, name, fixtures)
     saved = _saved_weights(checkpoint, tmp_path)
     with Session("fp32", "cpu", environ={}) as session:
         assert session.latest(checkpoint.parent) == checkpoint
@@ -82,6 +88,20 @@ def test_meta_reads_every_field_and_writes_the_same_json(name: str) -> None:
     assert meta.sharded == (("model", "optimizer") if name == "shard" else ())
     assert meta.config is not None and meta.config["task"] == "mlp" and meta.extra == {}
     assert json.loads(meta.encode()) == json.loads((checkpoint / "meta.json").read_text())
+
+
+def test_a_format_1_checkpoint_verifies_exports_and_is_skipped_when_a_rank_file_is_damaged(tmp_path: Path) -> None:
+    checkpoint = _copy(tmp_path, "shard", FORMAT_1)
+    listed = set(verify_checkpoint(checkpoint)["files"])  # every file, as that manifest lists them
+    assert {"rng/rank-00001.pt", "sharded/__1_0.distcp", "sharded/.metadata"} <= listed
+    load_file = pytest.importorskip("safetensors.torch").load_file
+    assert export_main([str(checkpoint), "--to", str(tmp_path / "model.safetensors")]) == 0
+    _assert_same(load_file(tmp_path / "model.safetensors"), _saved_weights(checkpoint, tmp_path))
+    damaged = checkpoint / "rng" / "rank-00001.pt"
+    damaged.write_bytes(damaged.read_bytes()[::-1])  # same size: only the hash can tell
+    warnings: list[str] = []
+    assert newest_complete(checkpoint.parent, warnings.append) is None
+    assert "rng/rank-00001.pt" in warnings[0] and "sha256 differs" in warnings[0], warnings
 
 
 def test_meta_keeps_a_callers_own_keys_and_reads_an_older_record() -> None:

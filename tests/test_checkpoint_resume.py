@@ -68,7 +68,8 @@ def test_two_ranks_resume_is_bitwise_exact(two_rank_results: list[dict[str, Any]
 def test_checkpoint_contents_load_as_plain_data(two_rank_results: list[dict[str, Any]]) -> None:
     path = Path(two_rank_results[0]["fp32"][2])
     manifest = verify_checkpoint(path)
-    assert set(manifest["files"]) == {"model.pt", "state.pt", "rng/rank-00000.pt", "rng/rank-00001.pt", "meta.json"}
+    assert set(manifest["files"]) == {"model.pt", "state.pt", "meta.json", "rng/rank-00000.pt", "rng/rank-00001.pt",
+                                      "ranks/rank-00000.json", "ranks/rank-00001.json"}
     model_state = safe_load(path / "model.pt")  # weights_only=True, nothing allow-listed
     assert not any(key.startswith(("module.", "_orig_mod.")) for key in model_state)
     plain = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4))

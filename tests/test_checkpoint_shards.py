@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 from ddp_amp.checkpoint.manifest import encode_manifest, file_digest, read_manifest
+from ddp_amp.checkpoint.rank_files import fold, leaf, record_name
 from ddp_amp.export import main as export_main
 from tests.multiproc import run_train
 
@@ -24,10 +25,18 @@ def _flip_a_byte(path: Path) -> None:
 
 
 def _rewrite_manifest(checkpoint: Path) -> None:
-    """Make the manifest match the files as they are now (what a hand-edited copy looks like)."""
+    """Make each rank's record, and the manifest's digest over them, match the files as they
+    are now (what a hand-edited copy looks like)."""
     manifest = read_manifest(checkpoint)
-    manifest["files"] = {name: {"size": (checkpoint / name).stat().st_size, "sha256": file_digest(checkpoint / name)}
-                         for name in manifest["files"] if (checkpoint / name).is_file()}
+    leaves = []
+    for rank in range(manifest["ranks"]["count"]):
+        path = checkpoint / record_name(rank)
+        record = json.loads(path.read_text())
+        record["files"] = {name: {"size": (checkpoint / name).stat().st_size, "sha256": file_digest(checkpoint / name)}
+                           for name in record["files"] if (checkpoint / name).is_file()}
+        path.write_text(json.dumps(record))
+        leaves.append(leaf(rank, file_digest(path)))
+    manifest["ranks"]["digest"] = fold(leaves).hex()
     (checkpoint / "manifest.json").write_bytes(encode_manifest(manifest))
 
 

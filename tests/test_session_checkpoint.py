@@ -28,7 +28,8 @@ def test_round_trip_keeps_numpy_and_path_values_with_manifest_and_rng(tmp_path: 
         session.save(path, state)
         after_save = torch.rand(3)  # what the RNG gives right after the save
         manifest = verify_checkpoint(path)
-        assert set(manifest["files"]) == {"model.pt", "state.pt", "rng/rank-00000.pt", "meta.json"}
+        assert set(manifest["files"]) == {"model.pt", "state.pt", "rng/rank-00000.pt", "ranks/rank-00000.json",
+                                          "meta.json"}
         meta = json.loads((path / "meta.json").read_text())
         assert meta["world_size"] == 1 and meta["torch_version"] == torch.__version__
         torch.rand(5)  # move the stream on; the load must put it back

@@ -6,7 +6,7 @@
     python -m ddp_amp.bench --check                 # every stated target: met, missed or n/a here
     python -m ddp_amp.bench --sections transformer  # GPT-2 small: tokens/s, memory, MFU (GPU)
     python -m ddp_amp.bench --sections checkpoint --scale 1  # async vs sync save stall, 101M params
-    python -m ddp_amp.bench --sections resume --check  # bytes each rank hashes on resume
+    python -m ddp_amp.bench --sections resume --check  # bytes each rank hashes; rank 0 flat in N
     python -m ddp_amp.bench --sections scale --check   # the liveness watch at 64-16,384 ranks
     python -m ddp_amp.bench --sections data --check    # tokenizing, the loader, memory at 1e9 windows
     python -m ddp_amp.bench --json bench.json       # also write the figures as JSON
@@ -19,7 +19,8 @@ with --check, a target missed).
 
 Targets (targets.py): host, Trainer / hand in every row, on any device; overhead and
 transformer, a GPU's (not applicable on a CPU, and `--check` says so); resume, no rank
-hashes more than it reads; recipe, fastpaths
+hashes more than it reads, and rank 0's file operations and time at save and at resume
+flat from 64 to 16,384 emulated ranks; recipe, fastpaths
 and checkpoint report figures without targets.
 """
 
@@ -37,7 +38,7 @@ from typing import Any, NoReturn
 import torch
 
 from ddp_amp.bench import (activation_memory, amp_recipe, build_memory, checkpoint_stall, data, fastpaths, host,
-                           memory, overhead, resume, scale, table, transformer)
+                           memory, overhead, rank_zero, resume, scale, table, transformer)
 from ddp_amp.bench.targets import check_report, check_text
 
 SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint", "memory", "resume", "scale",
@@ -61,19 +62,26 @@ def build_parser() -> argparse.ArgumentParser:
         "static graph, grad-comm dtype, torch.compile, pinned non-blocking copies (CUDA); (transformer) a "
         "GPT-2-small-shaped decoder (124M parameters, 8 x 1024 tokens; a 2-layer miniature on CPU), hand "
         "loop vs Trainer, fp32/bf16/fp16/fp8, eager and compiled: tokens/s, peak memory, TFLOP/s and MFU "
-        "from torch's FLOP counter; (checkpoint) the loop's stall of a --async-checkpoint save (RNG gather and "
-        "host copy; the write runs in the background) against a synchronous save, as paired saves of one "
+        "from torch's FLOP counter; (checkpoint) the loop's stall of a --async-checkpoint save (the host copy "
+        "and one broadcast; the writes run in the background) against a synchronous save, as paired saves of one "
         "trainer on an mlp of 8 layers of width 4096 x --scale (101M parameters and AdamW state at scale 1); "
         "(resume) each rank's verification time and bytes hashed when a sharded checkpoint is found again, "
-        "on 1, 2 and 4 gloo ranks, against its own shards plus the replicated files; (data) tokenizing JSON lines "
-        "per core against datasets.map, the causal_lm loader's draw against its step, a rank's memory with 1e9 "
-        "windows. "
+        "on 1, 2 and 4 gloo ranks, against its own files plus the replicated files; then rank 0's time and "
+        "file operations at save and at resume with --resume-ranks emulated ranks' files on local disk; (data) "
+        "tokenizing JSON lines per core against datasets.map, the causal_lm loader's draw against its step, a "
+        "rank's memory with 1e9 windows. "
         "Defaults depend on the device: recipe sizes on CUDA, 1/16 of them and short runs on CPU.")
     parser.add_argument("--scale-ranks", default=",".join(map(str, scale.RANKS)),
                         help="the scale section's world sizes, comma-separated (default: %(default)s)")
     parser.add_argument("--scale-silence", type=float, default=scale.SILENCE_S,
                         help="the scale section's silence limit in seconds, as --peer-silence sets it for a run; "
                         "each size takes about twice this (default: %(default)s)")
+    parser.add_argument("--resume-ranks", default=",".join(map(str, rank_zero.RANKS)),
+                        help="the resume section's emulated world sizes for rank 0's share, comma-separated; the "
+                        "first and the last are compared (default: %(default)s)")
+    parser.add_argument("--resume-repeats", type=int, default=rank_zero.REPEATS,
+                        help="the resume section's saves per emulated world size, each with "
+                        f"{rank_zero.RESUME_REPEATS} resumes (default: %(default)s)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated sections to run, from {', '.join(SECTIONS)} (default: all)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
@@ -171,17 +179,21 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.rank_threads = args.threads or (0 if cuda else max(1, cores // args.ranks))
     args.trial_threads = args.threads or 0
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    try:
+        args.resume_ranks = tuple(int(n) for n in args.resume_ranks.split(","))
+    except ValueError:
+        _fail(f"bad value {args.resume_ranks!r} for --resume-ranks; expected world sizes such as 64,4096,16384")
     args.trials = tuple(t.strip() for t in args.trials.split(",") if t.strip())
     args.transformer_precisions = tuple(t.strip() for t in args.transformer_precisions.split(",") if t.strip())
     bad = ([s for s in args.sections if s not in SECTIONS] + [t for t in args.trials if t not in amp_recipe.TRIALS]
            + [t for t in args.transformer_precisions if t not in transformer.PRECISIONS])
     counts = (args.batches, args.epochs, args.ranks, args.blocks, args.steps_per_block, args.transformer_batch or 1,
-              args.data_copies, args.data_trials)
+              args.resume_repeats, min(args.resume_ranks) - 1, args.data_copies, args.data_trials)
     if bad or args.scale <= 0 or min(counts) < 1:
         _fail(f"bad value {bad[0] if bad else 'among the numbers'}; "
               f"sections {', '.join(SECTIONS)}, trials {', '.join(amp_recipe.TRIALS)}, transformer "
               f"precisions {', '.join(transformer.PRECISIONS)}, "
-              "--scale > 0, counts >= 1 (see --help)")
+              "--scale > 0, counts >= 1, --resume-ranks >= 2 (see --help)")
     return args
 
 
@@ -237,7 +249,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                        args.activation_tokens)
         print("\n" + activation_memory.activation_table(section["activations"]), flush=True)
     if "resume" in args.sections:
-        section = resume.run()
+        section = resume.run(emulated=args.resume_ranks, repeats=args.resume_repeats)
         report["sections"]["resume"] = section
         print("\n" + resume.resume_table(section), flush=True)
     if "scale" in args.sections:

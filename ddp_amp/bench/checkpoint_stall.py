@@ -6,12 +6,12 @@
 
 One process builds the real trainer (mlp task, AdamW, fp32) and, in alternating pairs so
 that disk and CPU noise hit both alike, times (a) `Trainer.save_checkpoint()`: the whole
-stall the loop sees (RNG gather, serialisation, fsyncs, sha256 manifest, rename, retention)
+stall the loop sees (each rank's own files, serialisation, fsyncs, sha256 manifest, rename, retention)
 and (b) one `torch.save` of the same model + optimizer state to a file in the same
 directory, no fsync. The ratio is the median of the per-pair ratios.
 
 `--async-vs-sync` pairs (a) with `Trainer.start_checkpoint()`, the save `--async-checkpoint`
-makes: the stall is the RNG gather and the copy of the state into host memory; the write
+makes: the stall is the copy of the state into host memory and one broadcast; the write
 runs in the background while the next step trains (that step's time is reported too, as
 the writer thread shares the CPU with it). Its default size is the mlp at 101M parameters
 (8 layers of width 4096; with AdamW's two moments a 1.2 GB checkpoint).

@@ -1,4 +1,4 @@
-"""What a resume reads and hashes on each rank: verification time against checkpoint size and ranks.
+"""What a resume reads and hashes on each rank, and rank 0's share of a save and a resume at scale.
 
     python -m ddp_amp.bench --sections resume --check
 
@@ -7,9 +7,12 @@ layers (FSDP2) with AdamW state, saves it as a real checkpoint on disk, and then
 again as a resume does (`Session.latest`: rank 0 checks that the files are there, each rank
 hashes the files it reads, all agree), timed on every rank, with a fresh checkpointer so
 nothing is remembered from the save. Each rank reports the bytes it hashed, beside its own
-shards plus the replicated files (what it reads) and the whole checkpoint (what rank 0 alone
-hashed before, while the others waited). Target, checked by `--check`: no rank hashes more
-than its own shards plus the replicated files (ratio at most 1).
+shards, RNG file and record plus the replicated files (what it reads) and the whole
+checkpoint (what rank 0 alone hashed before, while the others waited). Target, checked by
+`--check`: no rank hashes more than its own files plus the replicated files (ratio at most 1).
+
+Then rank 0's time and file operations at save and at resume with 64 to 16,384 emulated
+ranks' files on local disk, flat in N (rank_zero.py).
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddp_amp.bench import rank_zero
 from ddp_amp.bench.table import grid
 from ddp_amp.bench.targets import target_fields
-from ddp_amp.checkpoint.manifest import read_manifest
-from ddp_amp.checkpoint.verify import check_own_files
+from ddp_amp.checkpoint.verify import check_own_files, verify_checkpoint
 from ddp_amp.distributed import DistContext
 from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.parallel import ShardOptions
@@ -36,21 +39,17 @@ from ddp_amp.session import Session
 RANKS = (1, 2, 4)
 WIDTHS = (256, 1024)  # 4 layers: 0.26M and 4.2M parameters; with AdamW's moments, 3 and 50 MB
 LAYERS = 4
-_SHARD = re.compile(r"^sharded/__(\d+)_\d+\.distcp$")
+_OWN = re.compile(r"^(?:sharded/__(\d+)_\d+\.distcp|rng/rank-(\d+)\.pt|ranks/rank-(\d+)\.json)$")  # a rank's own
 
 
-def _reads(listed: dict[str, Any], rank: int, world_size: int) -> tuple[int, int]:
-    """(bytes of this rank's own shards and RNG file plus the replicated files, bytes of all),
-    counted from the manifest apart from the rule verify.py applies."""
+def _reads(listed: dict[str, Any], rank: int) -> tuple[int, int]:
+    """(bytes of this rank's own shards, RNG file and record plus the replicated files, bytes
+    of all), counted from the checkpoint's full listing apart from the rule verify.py applies."""
     own = total = 0
     for name, record in listed.items():
-        size, shard = int(record["size"]), _SHARD.match(name)
+        size, owned = int(record["size"]), _OWN.match(name)
         total += size
-        if shard:
-            own += size if int(shard.group(1)) == rank else 0
-        elif name.startswith("rng/"):
-            own += size if name == f"rng/rank-{rank:05d}.pt" else 0
-        else:
+        if owned is None or int(next(value for value in owned.groups() if value is not None)) == rank:
             own += size
     return own, total
 
@@ -70,14 +69,16 @@ def _rank(ctx: DistContext, root: str, width: int) -> dict[str, Any]:
         found = session.latest(root)  # a checkpoint just written counts as unverified
         seconds = time.perf_counter() - started
         own = check_own_files(path, ctx.rank, ctx.world_size)  # what that check hashed here
-    listed = read_manifest(path)["files"]
-    reads, total = _reads(listed, ctx.rank, ctx.world_size)
+    listed = verify_checkpoint(path)["files"]  # every file, each rank's too
+    reads, total = _reads(listed, ctx.rank)
     return {"rank": ctx.rank, "found": found == path, "verify_s": seconds, "bytes_hashed": own.bytes_hashed,
             "files_hashed": own.files, "reads_bytes": reads, "checkpoint_bytes": total, "files": len(listed)}
 
 
-def run(ranks: tuple[int, ...] = RANKS, widths: tuple[int, ...] = WIDTHS) -> dict[str, Any]:
-    """Every (width, ranks) case: each rank's verification time and bytes hashed."""
+def run(ranks: tuple[int, ...] = RANKS, widths: tuple[int, ...] = WIDTHS,
+        emulated: tuple[int, ...] = rank_zero.RANKS, repeats: int = rank_zero.REPEATS) -> dict[str, Any]:
+    """Every (width, ranks) case: each rank's verification time and bytes hashed; then rank 0's
+    share at each of `emulated` world sizes (rank_zero.py)."""
     rows: list[dict[str, Any]] = []
     for width in widths:
         for world_size in ranks:
@@ -90,8 +91,8 @@ def run(ranks: tuple[int, ...] = RANKS, widths: tuple[int, ...] = WIDTHS) -> dic
                 "verify_s": [result["verify_s"] for result in results],
                 "hashed_mb": [result["bytes_hashed"] / 2**20 for result in results],
                 "reads_mb": [result["reads_bytes"] / 2**20 for result in results],
-                **target_fields("hashed / (own shards + replicated), worst rank", worst, 1.0)})
-    return {"rows": rows}
+                **target_fields("hashed / (own files + replicated), worst rank", worst, 1.0)})
+    return {"rows": rows, "rank_zero": rank_zero.run(emulated, repeats)}
 
 
 def resume_table(section: dict[str, Any]) -> str:
@@ -103,4 +104,5 @@ def resume_table(section: dict[str, Any]) -> str:
               each(row["verify_s"], 3), each(row["hashed_mb"], 2), each(row["reads_mb"], 2),
               f"{row['measured']:.2f}", "yes" if row["found"] else "NO"] for row in section["rows"]]
     return "resume: verification on each rank (rank 0/1/...)\n" + grid(
-        ["width", "ranks", "ckpt MB", "files", "verify s", "hashed MB", "reads MB", "worst ratio", "found"], lines)
+        ["width", "ranks", "ckpt MB", "files", "verify s", "hashed MB", "reads MB", "worst ratio", "found"],
+        lines) + "\n\n" + rank_zero.rank_zero_table(section["rank_zero"])

@@ -11,21 +11,26 @@
 - `commit`: a directory appears whole or not at all (temporary directory, fsync, manifest,
   rename); `retention` lets old checkpoints go only after a new one is committed, deleting
   them in the background;
-- `manifest`: sizes and sha256 of every file, so a torn checkpoint is told from a whole one;
-  `verify`: on resume each rank hashes only the files it reads, and the ranks agree;
+- `manifest`: sizes and sha256 of rank 0's files and a digest over every rank's record, so a
+  torn checkpoint is told from a whole one; `verify`: all of it in one process, or on resume
+  each rank its share (what it reads), agreed through one gather of fixed-size reports;
+- `rank_files`: each rank's own files (its RNG file, its record of what it wrote), written
+  and hashed by that rank (`hashed_write`, and `shard_writer` for its DCP shards);
+  `rank_reports`: the one gather of fixed-size reports that tells rank 0 they are whole;
 - `best`: the pointer to the best checkpoint by an eval metric, which retention keeps;
 - `discovery`: `step-N` layout, the newest complete checkpoint, `--resume auto|none|PATH`;
 - `safe_types`: what a checkpoint may hold and the restricted loader that reads it back;
-- `rng`: every rank's RNG states, a file per rank;
+- `rng`: a rank's RNG states, captured and put back;
 - `save` / `load`: the collective save and read-and-agree underneath the Checkpointer;
-- `background` / `staging`: the same save with the write in a thread on rank 0, from a host
-  copy of the state (`--async-checkpoint`);
+- `background` / `staging`: the same save with the writes in a thread on every rank, from a
+  host copy of the state (`--async-checkpoint`);
 - `hf_directory`: a Hugging Face model directory (config, sharded safetensors, index) from a
   state dict (`export --hf`);
 - `pretrained`: pretrained weights (safetensors, a Hugging Face model directory) into a
   model by name, each rank reading only the slices it holds (`--init-weights`);
 - `sharded` / `sharded_reader`: a checkpoint whose sharded state each rank writes its part
-  of (FSDP2, with torch.distributed.checkpoint), committed by rank 0 once every part is whole.
+  of (FSDP2, with torch.distributed.checkpoint), committed by rank 0 once every part is
+  whole, and read back resharded without running pickled code.
 
 What goes into the files is the caller's. Imports `amp`, `distributed` (collectives, the
 group), `durable`, `errors` and `version`; nothing above it.
@@ -38,7 +43,8 @@ from ddp_amp.checkpoint.discovery import (checkpoint_root, complete_copy, list_s
                                           resolve_resume, step_dir_name)
 from ddp_amp.checkpoint.layout import SavedState, module_file
 from ddp_amp.checkpoint.load import read_checkpoint
-from ddp_amp.checkpoint.manifest import IncompleteCheckpoint, verify_checkpoint
+from ddp_amp.checkpoint.manifest import IncompleteCheckpoint
+from ddp_amp.checkpoint.verify import verify_checkpoint
 from ddp_amp.checkpoint.meta import Meta, read_meta
 from ddp_amp.checkpoint.hf_directory import (HF_CONFIG, HF_FILES, parse_size, run_hf_config, run_hf_files,
                                              write_hf_directory)

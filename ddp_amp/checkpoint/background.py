@@ -1,17 +1,20 @@
-"""Checkpoints written in the background: training waits only for collectives and a host copy.
+"""Checkpoints written in the background: training waits only for a host copy and one broadcast.
 
-`BackgroundSaver.start` (collective) does in the foreground what needs the other ranks or
-the live state: it gathers every rank's RNG state, and rank 0 checks that every value will
-load back and copies its state off the device (`staging.HostStaging`: the next optimizer
-step changes the live tensors in place). Rank 0's writer thread then commits that copy
-with the synchronous save's own write step (`save.commit_outcome`), so the commit
-protocol, the manifest and retention are the same in both modes.
+`BackgroundSaver.start` (collective) does in the foreground what needs the live state: each
+rank captures its RNG state; rank 0 checks that every value will load back, copies its state
+off the device (`staging.HostStaging`: the next optimizer step changes the live tensors in
+place) and makes the scratch directory, whose path every rank learns; a sharded state's
+write starts (DCP's async save). Then a writer thread on every rank writes that rank's own
+files, and the ranks' reports are gathered over a process group of the saves' own (training's
+collectives go on meanwhile); rank 0's thread commits with the synchronous save's own steps
+(`save.commit_reported`, `save.commit_outcome`), so the commit protocol, the manifest and
+retention are the same in both modes.
 
-At most one write is in flight. `wait` (collective) joins it on rank 0 and tells every
+At most one write is in flight. `wait` (collective) joins it on every rank and tells every
 rank its outcome through `distributed.on_rank_zero`, so a failed background write reaches every
 rank at the same point of the loop, as the error of a synchronous save would. On a
-failure path a peer may be gone, so `join_locally` only lets rank 0's write finish or fail
-before the process exits; one that never finishes leaves a `.tmp-` directory, which no
+failure path a peer may be gone, so `join_locally` only lets this rank's writer finish or
+fail before the process exits; one that never finishes leaves a `.tmp-` directory, which no
 reader takes for a checkpoint, and every committed checkpoint untouched.
 
 Not torch.distributed.checkpoint's async save: that writes a second on-disk format with
@@ -31,11 +34,14 @@ from typing import Any
 
 import torch
 
+from ddp_amp.checkpoint.manifest import SHARDED_DIR
 from ddp_amp.checkpoint.meta import Meta
+from ddp_amp.checkpoint.rank_files import write_own_files
+from ddp_amp.checkpoint.rank_reports import gather_reports
 from ddp_amp.checkpoint.retention import Retention
-from ddp_amp.checkpoint.rng import gather_rng_states
-from ddp_amp.checkpoint.save import build_contents, commit_outcome, commit_to
-from ddp_amp.checkpoint.sharded import start_sharded_write
+from ddp_amp.checkpoint.rng import capture_rng
+from ddp_amp.checkpoint.save import Outcome, commit_outcome, commit_reported, prepare, scratch_folders, this_rank
+from ddp_amp.checkpoint.shard_writer import BackgroundShards
 from ddp_amp.checkpoint.staging import HostStaging
 from ddp_amp.distributed import on_rank_zero
 from ddp_amp.errors import CheckpointError
@@ -51,13 +57,9 @@ class FinishedWrite:
     write_s: float  # rank 0's time from the thread's start to the commit (or the failure)
 
 
-Outcome = tuple[str | None, CheckpointError | None]
-
-
 @dataclass
 class _Write:
-    """One write in flight: its target on every rank; its thread (rank 0's, or every rank's
-    for a sharded save) and the outcome on rank 0."""
+    """One write in flight: its target and its writer thread on every rank, the outcome on rank 0."""
 
     target: Path
     thread: threading.Thread | None = None
@@ -94,7 +96,7 @@ class _Write:
 
 
 class BackgroundSaver:
-    """`--async-checkpoint`'s writer: one checkpoint write in flight at most, on rank 0."""
+    """`--async-checkpoint`'s writer: one checkpoint write in flight at most."""
 
     def __init__(self) -> None:
         self._staging = HostStaging()
@@ -105,44 +107,41 @@ class BackgroundSaver:
         """The checkpoint whose write was started and whose outcome is not learned yet (every rank)."""
         return self._write.target if self._write is not None else None
 
-    def start(self, target: Path, files: dict[str, Any], meta: Meta, device: torch.device,
-              world_size: int, keep_last: int = 0, retention: Retention | None = None) -> None:
-        """Start writing the checkpoint `target` (collective); returns once it is copied.
+    def start(self, target: Path, files: dict[str, Any], meta: Meta, device: torch.device, world_size: int,
+              keep_last: int, group: Any, retention: Retention | None = None,
+              sharded: dict[str, Any] | None = None) -> None:
+        """Start writing the checkpoint `target` (collective); returns once it is copied and
+        a sharded state's write has started.
 
-        `files`, `meta` and `keep_last` as for `save_directory`. A value that would not load
-        back raises UsageError on every rank, as there. Call `wait` for the previous write first.
+        `files`, `meta`, `keep_last` and `sharded` as for `save.save_checkpoint`; `group`: the
+        saves' own process group (None without one). A value that would not load back
+        raises UsageError on every rank, as there. Call `wait` for the previous write first.
         """
         if self._write is not None:
             raise RuntimeError(f"checkpoint {self._write.target} is still being written: wait() first")
-        rng_states = gather_rng_states(device)  # fresh objects: nothing to copy
+        rng_state = capture_rng(device)  # fresh objects: nothing to copy
+        contents: dict[str, Any] = {}  # rank 0's files, copied off the live state
+        folders = scratch_folders(sharded is not None)
+        path, failure = on_rank_zero(lambda: prepare(target, self._staging.copy(files), meta, world_size, contents,
+                                                     folders))
         write = _Write(target)
+        if path is None:  # the disk refused the scratch directory: learned at `wait`, as a failed write is
+            write.outcome = (None, failure)
+            self._write = write
+            return
+        scratch, rank = Path(path), this_rank()
+        shards = BackgroundShards(scratch / SHARDED_DIR, sharded, group) if sharded is not None else None
 
-        def stage() -> None:
-            contents = build_contents(self._staging.copy(files), meta, rng_states, world_size)
-            write.start(lambda: commit_outcome(target, commit_to(target, keep_last, retention=retention), contents))
+        def work() -> Outcome | None:
+            report = write_own_files(scratch, rank, rng_state, shards.records if shards is not None else None)
+            reports = gather_reports(report, torch.device("cpu"), group)  # the saves' group: gloo, on the CPU
+            if reports is None:  # not rank 0: rank 0 commits
+                return None
+            return commit_reported(target, scratch, reports, contents,
+                                   shards.writer.map_record() if shards is not None else {}, folders, keep_last,
+                                   retention, outcome=commit_outcome)
 
-        on_rank_zero(stage)
-        self._write = write
-
-    def start_sharded(self, target: Path, files: dict[str, Any], meta: Meta, sharded: dict[str, Any],
-                      device: torch.device, world_size: int, keep_last: int, group: Any,
-                      retention: Retention | None = None) -> None:
-        """Start a sharded checkpoint (`sharded.save_sharded`'s) in the background (collective):
-        every rank's shards go through torch.distributed.checkpoint's async save on `group` (a
-        process group of the saves' own: the training's collectives go on meanwhile), and
-        every rank's writer thread reports its files; rank 0's commits once all are whole."""
-        if self._write is not None:
-            raise RuntimeError(f"checkpoint {self._write.target} is still being written: wait() first")
-        rng_states = gather_rng_states(device)
-        write = _Write(target)
-        staged: dict[str, Any] = {}  # rank 0's files, copied off the live state
-
-        def stage() -> None:
-            staged.update(build_contents(self._staging.copy(files), meta, rng_states, world_size))
-
-        on_rank_zero(stage)  # a value that would not load back is refused on every rank, as above
-        work = start_sharded_write(target, sharded, group, keep_last, retention)
-        write.start(lambda: work(staged))
+        write.start(work)
         self._write = write
 
     def wait(self) -> FinishedWrite | None:
@@ -150,13 +149,13 @@ class BackgroundSaver:
         write, self._write = self._write, None
         if write is None:
             return None
-        if write.thread is not None:  # a sharded save's writer runs on every rank: each its own first
+        if write.thread is not None:  # a writer runs on every rank: each its own first
             write.thread.join()
         path, error, seconds = on_rank_zero(write.result)
         return FinishedWrite(write.target, Path(path) if path else None, error, seconds)
 
     def join_locally(self) -> None:
-        """On a failure path: let rank 0's write finish or fail, talking to no other rank."""
+        """On a failure path: let this rank's writer finish or fail, talking to no other rank."""
         write, self._write = self._write, None
         if write is not None and write.thread is not None:
             write.thread.join()

@@ -4,14 +4,14 @@
 anything is applied, then restored (DCP shards resharded onto this world, each rank's RNG).
 Finding and reading check on each rank only the files that rank reads, agreed (verify.py).
 
-Saving is collective: every rank calls it; per-rank entries are gathered, RNG states too,
-and rank 0 commits through `ddp_amp.checkpoint`'s protocol (temporary directory, fsync,
-manifest, atomic rename, retention after the commit, its deletions in a thread of rank 0's).
-A background save returns once the
-state is copied to host memory; rank 0's writer thread commits it (every rank's writes its
-own shards of a sharded state first), one write in flight,
-and the outcome reaches every rank at the next save or `wait`. A failed write raises the
-same `CheckpointError` on every rank, wherever it is learned; older checkpoints stay.
+Saving is collective: every rank calls it; per-rank entries are gathered; each rank writes
+and hashes its own files (its RNG states, its shards of a sharded state) and rank 0 commits
+through `ddp_amp.checkpoint`'s protocol once every rank reported them whole (temporary
+directory, fsync, manifest, atomic rename, retention after the commit, its deletions in a
+thread of rank 0's). A background save returns once the state is copied to host memory;
+each rank's writer thread writes its files and rank 0's commits, one write in flight, and
+the outcome reaches every rank at the next save or `wait`. A failed write raises the same
+`CheckpointError` on every rank, wherever it is learned; older checkpoints stay.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from ddp_amp.checkpoint.load import LoadedCheckpoint, read_agreed, restore_scale
 from ddp_amp.checkpoint.meta import Meta, read_meta
 from ddp_amp.checkpoint.retention import Retention
 from ddp_amp.checkpoint.rng import restore_rng as restore_rng_states
-from ddp_amp.checkpoint.save import save_directory
-from ddp_amp.checkpoint.sharded import load_sharded, save_sharded
+from ddp_amp.checkpoint.save import save_checkpoint
+from ddp_amp.checkpoint.sharded import load_sharded
 from ddp_amp.checkpoint.sharded_state import dcp_form, put_back, restore_full, sharded_keys
 from ddp_amp.checkpoint.verify import agree_on
 from ddp_amp.distributed import DistContext, all_gather_objects, mark_agreed, on_rank_zero
@@ -82,10 +82,15 @@ class Checkpointer:
         self._retention = Retention()  # rank 0's: old checkpoints deleted while training goes on
         self._verified: set[Path] = set()  # checkpoints every rank has checked its files of
 
-    def _save_group(self) -> dist.ProcessGroup:
-        """The process group background sharded saves talk over (made once, collective): one
-        of their own, on gloo, since training's collectives go on while they write."""
-        if self._group is None:
+    def _save_group(self) -> dist.ProcessGroup | None:
+        """The process group background saves talk over (made once, collective): one of
+        their own, on gloo, since training's collectives go on while they write; None
+        without a process group."""
+        if self._group is None and dist.is_initialized():
+            if not dist.is_gloo_available():
+                raise UsageError("--async-checkpoint", "on", "a torch with the gloo backend, which background saves "
+                                 "talk over beside training", "this torch has none: save synchronously (drop "
+                                 "--async-checkpoint, or background=False)")
             self._group = dist.new_group(backend="gloo")
         return self._group
 
@@ -110,22 +115,13 @@ class Checkpointer:
             listed["sharded"] = sharded
         description = Meta(saved_by="ddp_amp", precision=self.precision.name, loss_scaling=self.scaler.is_enabled(),
                            scaler_skipped_total=int(self.scaler.skipped_steps().item())).merged({**listed, **meta})
-        if sharded:
-            if background:
-                self._background.start_sharded(target, files, description, dcp_form(state, sharded), self.ctx.device,
-                                               self.ctx.world_size, keep_last, self._save_group(), self._retention)
-                return None
-            result = save_sharded(target, files, description, dcp_form(state, sharded), self.ctx.device,
-                                  self.ctx.world_size, keep_last, self._retention)
-            if result.error is not None:
-                raise mark_agreed(result.error, 0)
-            return Saved(target, time.perf_counter() - started)
+        shards = dcp_form(state, sharded) if sharded else None
         if background:
             self._background.start(target, files, description, self.ctx.device, self.ctx.world_size, keep_last,
-                                   self._retention)
+                                   self._save_group(), self._retention, shards)
             return None
-        result = save_directory(target, files, description, self.ctx.device, self.ctx.world_size, keep_last,
-                                self._retention)
+        result = save_checkpoint(target, files, description, self.ctx.device, self.ctx.world_size, keep_last,
+                                 self._retention, shards)
         if result.error is not None:
             raise mark_agreed(result.error, 0)  # the same outcome on every rank
         return Saved(target, time.perf_counter() - started)
@@ -161,7 +157,7 @@ class Checkpointer:
     def _agree(self, candidates: list[str], warn: Callable[[str], None]) -> tuple[Path | None, str]:
         """The first of `candidates` every rank finds complete (collective; see verify.py)."""
         return agree_on([Path(path) for path in candidates], self.ctx.rank, self.ctx.world_size, warn,
-                        self._verified)
+                        self._verified, self.ctx.device)
 
     def _find(self, path: Path) -> Path:
         """`path`, or the complete copy a crash during a re-save left beside it; else UsageError

@@ -11,7 +11,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from ddp_amp.checkpoint.manifest import IncompleteCheckpoint, verify_checkpoint
+from ddp_amp.checkpoint.manifest import IncompleteCheckpoint
+from ddp_amp.checkpoint.verify import verify_checkpoint
 from ddp_amp.errors import UsageError
 
 STEP_DIR = re.compile(r"^step-(\d{8,})$")

@@ -8,19 +8,23 @@
                      `state_dict()`, plain values (numbers, strings, paths, containers),
                      and the loss scaler's state under the reserved key "scaler"
       data.pt        each per-rank entry in a file of its own: {"ranks": [rank 0's, ...]}
-      rng/rank-00000.pt  each rank's RNG states, a file per rank: each rank reads its own
       meta.json      who saved it, world size, versions, precision, which files are modules
                      and which per-rank, and the caller's own description
+      rng/rank-00000.pt    each rank's RNG states, a file per rank, written and read by that rank
       sharded/       a sharded state's DCP shards (`__<rank>_<n>.distcp`, each rank its
-                     own) and their map (`.metadata`); see sharded.py
-      manifest.json  size and sha256 of every other file, written last: the checkpoint is
-                     complete exactly when it verifies. A resume checks on each rank only
-                     the files that rank reads (verify.py)
+                     own) and their map (`.metadata`, rank 0's); see sharded.py
+      ranks/rank-00000.json  each rank's record: size and sha256 of the files it wrote
+                     (its RNG file, its shards), written by that rank (rank_files.py)
+      manifest.json  size and sha256 of rank 0's files, and one digest over the ranks'
+                     records, written last: the checkpoint is complete exactly when it
+                     verifies. A resume checks on each rank only the files that rank reads
+                     (verify.py)
 
 `python -m ddp_amp.export` takes a module's file from here, `--resume` and `Session.load`
 read it all. Older layouts still load: the Trainer's `train.pt` (today's `state.pt`,
 with the scaler's skipped-step count inside), a Session's `state.pt` that held the
-modules' state dicts among its values, and one `rng.pt` holding every rank's RNG states.
+modules' state dicts among its values, one `rng.pt` holding every rank's RNG states, and a
+manifest of format 1 that lists every rank's files itself (no `ranks/`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ddp_amp.amp import AgreedGradScaler
-from ddp_amp.checkpoint.manifest import IncompleteCheckpoint, read_manifest
+from ddp_amp.checkpoint.manifest import IncompleteCheckpoint, ranks_record, read_manifest
 from ddp_amp.checkpoint.meta import Meta, read_meta
 from ddp_amp.checkpoint.safe_types import safe_load
 from ddp_amp.checkpoint.rng import LEGACY_RNG_FILE, RNG_DIR, rng_file
@@ -36,15 +36,19 @@ class LoadedCheckpoint:
     rng_ranks: int = 0  # how many ranks' RNG states the checkpoint holds
 
 
-def _read_rng(path: Path, listed: Sequence[str], rank: int | None) -> tuple[dict[int, dict[str, Any]], int]:
+def _read_rng(path: Path, manifest: dict[str, Any], rank: int | None) -> tuple[dict[int, dict[str, Any]], int]:
     """Rank `rank`'s RNG states in checkpoint `path` (none for None), and how many ranks have some."""
-    if LEGACY_RNG_FILE in listed:  # the older layout: every rank's in one file, read whole
+    listed = manifest["files"]
+    if LEGACY_RNG_FILE in listed:  # the oldest layout: every rank's in one file, read whole
         ranks = list(safe_load(path / LEGACY_RNG_FILE)["ranks"] or []) if rank is not None else []
         return ({rank: ranks[rank]} if rank is not None and rank < len(ranks) else {}), len(ranks)
-    count = sum(1 for name in listed if name.startswith(f"{RNG_DIR}/"))
-    if rank is None or rng_file(rank) not in listed:
-        return {}, count
-    return {rank: safe_load(path / rng_file(rank))}, count
+    ranks_written = ranks_record(manifest)
+    if ranks_written is not None:  # each rank wrote its own, listed in its record
+        count, own = ranks_written.count, rank is not None and rank < ranks_written.count
+    else:  # format 1: rank 0 wrote every rank's, listed in the manifest
+        count = sum(1 for name in listed if name.startswith(f"{RNG_DIR}/"))
+        own = rank is not None and rng_file(rank) in listed
+    return ({rank: safe_load(path / rng_file(rank))} if own and rank is not None else {}), count
 
 
 def read_checkpoint(path: Path, names: Sequence[str] | None = None, what: str = "--resume",
@@ -53,14 +57,14 @@ def read_checkpoint(path: Path, names: Sequence[str] | None = None, what: str = 
     RNG states (no collectives); `names` None: every replicated `.pt` file its manifest lists."""
     meta = read_meta(path, what)
     try:
-        listed = list(read_manifest(path)["files"])
+        manifest = read_manifest(path)
     except IncompleteCheckpoint as error:
         raise UsageError(what, str(path), "a complete checkpoint", str(error)) from None
     if names is None:
-        names = sorted(name for name in listed if name.endswith(".pt") and "/" not in name
+        names = sorted(name for name in manifest["files"] if name.endswith(".pt") and "/" not in name
                        and name != LEGACY_RNG_FILE)
     files = {name: safe_load(path / name) for name in names}
-    rng, count = _read_rng(path, listed, rank)
+    rng, count = _read_rng(path, manifest, rank)
     return LoadedCheckpoint(path, meta, files, rng, count)
 
 

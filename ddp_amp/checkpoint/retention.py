@@ -45,7 +45,9 @@ def doomed_checkpoints(root: Path, keep_last: int, newest: Path) -> list[Path]:
 
 def _retire(path: Path) -> Path | None:
     """Rename `path` out of discovery's sight; the new name, or None where that failed."""
-    retired = path.with_name(f"{RETIRED_PREFIX}{path.name}-{os.getpid()}")
+    if path.name.startswith(RETIRED_PREFIX):  # what an earlier deletion left: out of sight already
+        return path
+    retired = path.with_name(f"{RETIRED_PREFIX}{path.name.removeprefix(SCRATCH_PREFIX)}-{os.getpid()}")
     try:
         os.rename(path, retired)
     except OSError as error:
@@ -85,12 +87,15 @@ class Retention:
             self._thread.join()
             self._thread = None
 
-    def apply(self, root: Path, keep_last: int, newest: Path, background: bool = True) -> list[Path]:
-        """Let go of what `doomed_checkpoints` names: renamed now, deleted in a thread (or here,
-        without `background`). Returns the checkpoints let go, by their names before."""
+    def apply(self, root: Path, keep_last: int, newest: Path, background: bool = True,
+              also: list[Path] | None = None) -> list[Path]:
+        """Let go of what `doomed_checkpoints` names, and of the directories `also` names (a
+        replaced copy, leftovers of killed writes): renamed now, deleted in a thread (or
+        here, without `background`). Returns the checkpoints let go, by their names before."""
         self.wait()
         doomed = doomed_checkpoints(root, keep_last, newest)
-        retired = [moved for moved in map(_retire, doomed) if moved is not None]
+        let_go = list(dict.fromkeys([*doomed, *(also or [])]))  # each once, in order
+        retired = [moved for moved in map(_retire, let_go) if moved is not None]
         if retired and background:
             # Not a daemon: an exiting interpreter lets the deletion finish rather than cut it.
             self._thread = threading.Thread(target=_delete, args=(retired,), name="ddp_amp checkpoint retention")

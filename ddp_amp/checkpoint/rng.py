@@ -1,8 +1,8 @@
 """Every rank's random-number state, captured for a checkpoint and put back on resume.
 
 Each rank draws its own dropout and augmentation stream, so a checkpoint holds all of
-them, one file per rank (`rng/rank-NNNNN.pt`, gathered on rank 0 and written there), and
-each rank reads back its own file only: what a rank reads does not grow with the number of
+them, one file per rank (`rng/rank-NNNNN.pt`), which each rank writes itself (rank_files.py)
+and reads back alone: nothing a rank writes or reads for them grows with the number of
 ranks. Checkpoints of an older layout hold them all in one `rng.pt` ({"ranks": [...]}),
 which still resumes. On another number of ranks, rank r takes saved rank r's streams where
 there was one, and keeps its own seeded streams where there was not.
@@ -15,9 +15,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
-
-from ddp_amp.distributed import has_peers
 
 RNG_DIR = "rng"
 LEGACY_RNG_FILE = "rng.pt"  # every rank's states in one file, as older checkpoints hold them
@@ -26,11 +23,6 @@ LEGACY_RNG_FILE = "rng.pt"  # every rank's states in one file, as older checkpoi
 def rng_file(rank: int) -> str:
     """The checkpoint-relative name of rank `rank`'s RNG file."""
     return f"{RNG_DIR}/rank-{rank:05d}.pt"
-
-
-def rng_files(states: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The files a checkpoint holds every rank's RNG states in (rank order in, a file each out)."""
-    return {rng_file(rank): state for rank, state in enumerate(states)}
 
 
 def capture_rng(device: torch.device) -> dict[str, Any]:
@@ -62,14 +54,3 @@ def restore_rng(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def gather_rng_states(device: torch.device) -> list[dict[str, Any]] | None:
-    """Every rank's `capture_rng()` on rank 0 (rank order); None elsewhere (collective)."""
-    own = capture_rng(device)
-    if not has_peers():
-        return [own]
-    is_root = dist.get_rank() == 0
-    gathered: list[Any] | None = [None] * dist.get_world_size() if is_root else None
-    dist.gather_object(own, gathered, dst=0)
-    return gathered

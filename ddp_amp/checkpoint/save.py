@@ -1,39 +1,52 @@
-"""Saving as a collective: every rank calls it, rank 0 writes, every rank learns the outcome.
+"""Saving as a collective: each rank writes what it owns, rank 0 commits, every rank learns the outcome.
 
-RNG states are gathered from all ranks first (each rank's dropout stream differs); then
-rank 0 checks that every file will load back (`build_contents`), commits the directory
-(`commit_outcome`) and tells every rank the committed path or why there is none
-(`distributed.on_rank_zero`), so no rank carries on believing a checkpoint exists that does not,
-and no rank waits on a rank 0 that failed. `background.py` runs the same two steps with
-the commit in a writer thread (`--async-checkpoint`).
+1. Rank 0 checks that every file it writes will load back (`build_contents`) and that the
+   target is ours to replace, and makes the scratch directory; every rank learns its path,
+   or the refusal, before anything is written (`distributed.on_rank_zero`).
+2. Every rank writes its own files into it (rank_files.py): its DCP shards where the state
+   is sharded, its RNG file and its record, each hashed as it is written.
+3. One gather of fixed-size reports (rank_reports.py) tells rank 0 that every rank's files
+   are whole, or why one is not; rank 0 writes its files and the manifest and renames the
+   directory into place (commit.py), and every rank learns the committed path or why there
+   is none.
+Rank 0's work does not grow with the number of ranks, apart from that gather: it lists no
+folder the ranks write into and reads none of their files. No rank carries on believing a
+checkpoint exists that does not, and no rank waits on a rank 0 that failed. `background.py`
+runs steps 2 and 3 in a writer thread on every rank (`--async-checkpoint`).
 
-The caller names the files (the Trainer: model, train state; `Session`: the user's
-state); `rng/rank-NNNNN.pt` (each rank's RNG, a file each) and `meta.json` (world size, versions, the caller's
-description) are added here.
+The caller names the files (the Trainer: model, train state; `Session`: the user's state);
+`meta.json` (world size, versions, the caller's description) is added here.
 """
 
 from __future__ import annotations
 
 import errno
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ddp_amp.checkpoint.commit import check_writable, commit_checkpoint
+from ddp_amp.checkpoint.commit import Written, check_writable, commit_checkpoint, new_scratch
 from ddp_amp.checkpoint.discovery import list_step_dirs
-from ddp_amp.checkpoint.manifest import MANIFEST_NAME, FileRecord
+from ddp_amp.checkpoint.manifest import MANIFEST_NAME, SHARDED_DIR, FileRecord, RanksRecord
 from ddp_amp.checkpoint.meta import META_FILE, Meta
+from ddp_amp.checkpoint.rank_files import OWN_FOLDERS, write_own_files
+from ddp_amp.checkpoint.rank_reports import Reports, gather_reports
 from ddp_amp.checkpoint.retention import Retention
-from ddp_amp.checkpoint.rng import gather_rng_states, rng_files
+from ddp_amp.checkpoint.rng import capture_rng
 from ddp_amp.checkpoint.safe_types import check_loadable
+from ddp_amp.checkpoint.shard_writer import HashingShardWriter, write_shards
 from ddp_amp.distributed import on_rank_zero
 from ddp_amp.errors import CheckpointError, UsageError
 from ddp_amp.version import __version__
 
 _NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+Outcome = tuple[str | None, CheckpointError | None]  # the committed path, or why there is none
 
 
 @dataclass(frozen=True)
@@ -71,23 +84,44 @@ def _entries(files: dict[str, Any]) -> list[tuple[str, Any]]:
     return found
 
 
-def build_contents(files: dict[str, Any], meta: Meta, rng_states: list[dict[str, Any]] | None,
-                   world_size: int) -> dict[str, Any]:
-    """Rank 0: every file the commit writes, once each value is known to load back.
-
-    `files` are the caller's; each rank's RNG file (from the gathered states) and
-    `meta.json` are added.
-    A value a safe load would refuse raises UsageError, before anything is written.
-    """
+def build_contents(files: dict[str, Any], meta: Meta, world_size: int) -> dict[str, Any]:
+    """Rank 0: every file it commits (the caller's `files` and `meta.json`), once each value
+    is known to load back; a value a safe load would refuse raises UsageError, before
+    anything is written."""
     for name, value in _entries(files):
         check_loadable(name, value)
     description = meta.merged({"world_size": world_size, "ddp_amp_version": __version__,
                                "torch_version": torch.__version__})
-    return {**files, **rng_files(rng_states or []), META_FILE: description.encode()}
+    return {**files, META_FILE: description.encode()}
 
 
-def commit_outcome(target: Path, commit: Callable[[dict[str, Any]], Path],
-                   contents: dict[str, Any]) -> tuple[str | None, CheckpointError | None]:
+def scratch_folders(sharded: bool) -> tuple[str, ...]:
+    """The folders of a scratch directory the ranks write their own files into."""
+    return OWN_FOLDERS + ((SHARDED_DIR,) if sharded else ())
+
+
+def prepare(target: Path, files: dict[str, Any], meta: Meta, world_size: int, contents: dict[str, Any],
+            folders: tuple[str, ...]) -> Outcome:
+    """Rank 0, before any rank writes: refuse a `target` that is not ours to replace, or a
+    value that would not load back (UsageError); else put rank 0's files into `contents`,
+    make the scratch directory with its `folders`, and return its path, or (None, why)
+    where the disk refused.
+
+    A checkpoint already at `target` is replaced once the new one is whole; anything else
+    there (a file, a directory without a manifest) is the user's and is never replaced.
+    """
+    if target.exists() and not (target / MANIFEST_NAME).is_file():
+        raise UsageError("checkpoint path", str(target), "a writable checkpoint location: a new "
+                         "path or an earlier checkpoint (a directory with manifest.json)",
+                         "something else is there and is not overwritten; pick another path")
+    contents.update(build_contents(files, meta, world_size))
+    try:
+        return str(new_scratch(target, folders)), None
+    except OSError as error:
+        return None, write_failure(target, error)
+
+
+def commit_outcome(target: Path, commit: Callable[[dict[str, Any]], Path], contents: dict[str, Any]) -> Outcome:
     """Rank 0: commit `contents`; (the committed path, None) or (None, why the disk refused).
 
     The one write step of both a synchronous save and a background one, so both go through
@@ -99,40 +133,54 @@ def commit_outcome(target: Path, commit: Callable[[dict[str, Any]], Path],
         return None, write_failure(target, error)
 
 
-def commit_to(target: Path, keep_last: int = 0, written: tuple[Path, dict[str, FileRecord]] | None = None,
-              retention: Retention | None = None) -> Callable[[dict[str, Any]], Path]:
-    """Rank 0's commit of a checkpoint's contents (and of what is `written` already, as
-    `commit_directory` takes it) as the directory `target`.
+def commit_reported(target: Path, scratch: Path, reports: Reports | None, contents: dict[str, Any],
+                    shared: dict[str, FileRecord], folders: tuple[str, ...], keep_last: int,
+                    retention: Retention | None, outcome: Callable[..., Outcome] = commit_outcome) -> Outcome:
+    """Rank 0: commit `scratch` as `target` once every rank reported its own files whole
+    (`reports`, gathered), with rank 0's `contents` and the `shared` files written there
+    already (the shards' map); through `outcome` (`commit_outcome`). A rank's failure
+    removes the scratch directory and is the outcome. `keep_last` and `retention` as for
+    `commit_checkpoint`."""
+    if reports is None:
+        raise RuntimeError("only rank 0 commits a checkpoint: it alone holds the gathered reports")
+    failed = reports.first_failure()
+    if failed is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
+        return None, write_failure(target, OSError(failed))
+    written = Written(scratch, shared, folders, RanksRecord(reports.count, reports.digest().hex()))
+    return outcome(target, partial(commit_checkpoint, target, keep_last=keep_last, written=written,
+                                   retention=retention), contents)
 
-    A checkpoint already at `target` is replaced once the new one is whole; anything else
-    there (a file, a directory without a manifest) is the user's and is never replaced: the
-    commit raises UsageError instead. Where `target` is a `step-N` directory, retention then
-    keeps the newest `keep_last` of its siblings (0 keeps all), through `retention` where
-    given (deleted in the background).
+
+def this_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def save_checkpoint(target: Path, files: dict[str, Any], meta: Meta, device: torch.device, world_size: int,
+                    keep_last: int = 0, retention: Retention | None = None,
+                    sharded: dict[str, Any] | None = None) -> SaveResult:
+    """Commit a checkpoint as the directory `target` (collective; see the module's docstring):
+    rank 0's `files`, and, where given, the `sharded` state (DCP's form) every rank writes
+    its part of. Where `target` is a `step-N` directory, retention then keeps the newest
+    `keep_last` of its siblings (0 keeps all), through `retention` where given (deleted in
+    the background).
+
+    A write that fails for the disk's sake (full, read-only), on any rank, comes back as
+    `SaveResult.error` on every rank; state that would not load back, or a `target` that is
+    not ours to replace, raises UsageError on every rank; either way nothing older is touched.
     """
-    def commit(contents: dict[str, Any]) -> Path:
-        if target.exists() and not (target / MANIFEST_NAME).is_file():
-            raise UsageError("checkpoint path", str(target), "a writable checkpoint location: a new "
-                             "path or an earlier checkpoint (a directory with manifest.json)",
-                             "something else is there and is not overwritten; pick another path")
-        return commit_checkpoint(target, contents, keep_last, written, retention)
-
-    return commit
-
-
-def save_directory(target: Path, files: dict[str, Any], meta: Meta, device: torch.device,
-                   world_size: int, keep_last: int = 0, retention: Retention | None = None) -> SaveResult:
-    """Commit a checkpoint as the directory `target` (collective; see `commit_to`).
-
-    A write that fails for the disk's sake (full, read-only) comes back as
-    `SaveResult.error` on every rank; state that would not load back, or a `target` that
-    is not ours to replace, raises UsageError on every rank; either way nothing older is
-    touched.
-    """
-    rng_states = gather_rng_states(device)
-    commit = commit_to(target, keep_last, retention=retention)
-    path, failure = on_rank_zero(
-        lambda: commit_outcome(target, commit, build_contents(files, meta, rng_states, world_size)))
+    contents: dict[str, Any] = {}
+    folders = scratch_folders(sharded is not None)
+    path, failure = on_rank_zero(lambda: prepare(target, files, meta, world_size, contents, folders))
+    if path is None:
+        return SaveResult(None, failure)
+    scratch = Path(path)
+    writer = HashingShardWriter(scratch / SHARDED_DIR) if sharded is not None else None
+    shards = partial(write_shards, writer, sharded) if writer is not None and sharded is not None else None
+    reports = gather_reports(write_own_files(scratch, this_rank(), capture_rng(device), shards), device)
+    path, failure = on_rank_zero(lambda: commit_reported(
+        target, scratch, reports, contents, writer.map_record() if writer is not None else {}, folders, keep_last,
+        retention))
     return SaveResult(Path(path) if path else None, failure)
 
 

@@ -1,25 +1,21 @@
-"""Sharded checkpoints: every rank writes its own shards, rank 0 commits once all are whole.
+"""Sharded checkpoints: every rank writes its own shards, and a load reshards them onto any world.
 
 A model sharded over the ranks (FSDP2) has no rank that holds all of it. Its state (and the
 optimizer state built on it) is written with `torch.distributed.checkpoint` (DCP): each rank
-its own `sharded/__<rank>_<n>.distcp`, rank 0 the `.metadata` that maps them. The commit
-protocol is the same as for any checkpoint, stretched over the ranks:
-1. rank 0 makes a fresh scratch directory and every rank learns its path;
-2. every rank writes its shards into it (DCP's save, collective), fsyncs them and reports
-   their sizes and sha256, or why it could not;
-3. only if every rank reported its files whole does rank 0 write the other files, the
-   manifest over all of them, and rename the directory into place (then retention).
-A rank killed mid-save leaves a scratch directory no reader takes for a checkpoint, and
-every committed checkpoint untouched; DCP's own `.metadata` never marks a directory
-complete here: the manifest does. Loading reshards, so a run resumes on another number of
-ranks (`load_sharded`), and runs no pickled code (sharded_reader.py).
+its own `sharded/__<rank>_<n>.distcp`, rank 0 the `.metadata` that maps them, into the
+scratch directory of the one commit protocol (save.py): each rank hashes its shards as DCP
+writes them (shard_writer.py) and lists them in its own record, and rank 0 commits only once
+every rank reported its files whole. A rank killed mid-save leaves a scratch directory no
+reader takes for a checkpoint, and every committed checkpoint untouched; DCP's own
+`.metadata` never marks a directory complete here: the manifest does. Loading reshards, so a
+run resumes on another number of ranks (`load_sharded`), and runs no pickled code
+(sharded_reader.py).
 """
 
 from __future__ import annotations
 
-import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,87 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from ddp_amp.checkpoint.commit import new_scratch
-from ddp_amp.checkpoint.manifest import SHARDED_DIR, FileRecord, record_of
-from ddp_amp.checkpoint.meta import Meta
-from ddp_amp.checkpoint.retention import Retention
-from ddp_amp.checkpoint.rng import gather_rng_states
-from ddp_amp.checkpoint.save import SaveResult, build_contents, commit_outcome, commit_to, write_failure
+from ddp_amp.checkpoint.manifest import SHARDED_DIR
 from ddp_amp.checkpoint.sharded_reader import SafeShardReader
-from ddp_amp.distributed import all_gather_objects, on_rank_zero
-from ddp_amp.durable import fsync_dir
-from ddp_amp.errors import CheckpointError, UsageError
-
-
-def _own_records(folder: Path, rank: int) -> dict[str, FileRecord]:
-    """The files this rank wrote into the sharded folder, fsynced, by their checkpoint-relative name."""
-    mine = sorted(folder.glob(f"__{rank}_*")) + ([folder / ".metadata"] if rank == 0 else [])
-    return {f"{SHARDED_DIR}/{path.name}": record_of(path) for path in mine}
-
-
-Report = tuple[dict[str, FileRecord] | None, str]  # a rank's files and their records, or why it has none
-
-
-def _write_own(scratch: Path, rank: int, write: Callable[[], Any]) -> Report:
-    """`write()` this rank's shards into the scratch directory, then its report."""
-    try:
-        write()
-        return _own_records(scratch / SHARDED_DIR, rank), ""
-    except (OSError, dcp.CheckpointException) as error:
-        return None, f"rank {rank}: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
-
-
-def _commit(target: Path, scratch: Path, reports: list[Report], contents: dict[str, Any],
-            keep_last: int, retention: Retention | None) -> tuple[str | None, CheckpointError | None]:
-    """Rank 0: commit the scratch directory once every rank reported its shards whole."""
-    failed = [why for _, why in reports if why]
-    if failed:
-        shutil.rmtree(scratch, ignore_errors=True)
-        return None, write_failure(target, OSError(failed[0]))
-    fsync_dir(scratch / SHARDED_DIR)
-    written = {name: record for records, _ in reports for name, record in (records or {}).items()}
-    return commit_outcome(target, commit_to(target, keep_last, (scratch, written), retention), contents)
-
-
-def save_sharded(target: Path, files: dict[str, Any], meta: Meta, sharded: dict[str, Any],
-                 device: torch.device, world_size: int, keep_last: int = 0,
-                 retention: Retention | None = None) -> SaveResult:
-    """Commit a checkpoint at `target` whose `sharded` state every rank writes its part of
-    (collective; `files` and `meta` as for `save_directory`, written by rank 0)."""
-    rng_states = gather_rng_states(device)
-    scratch = Path(on_rank_zero(lambda: str(new_scratch(target))))
-    rank = dist.get_rank()
-    reports = all_gather_objects(_write_own(scratch, rank, lambda: dcp.save(
-        sharded, checkpoint_id=str(scratch / SHARDED_DIR))))
-    path, failure = on_rank_zero(lambda: _commit(target, scratch, reports,
-                                                 build_contents(files, meta, rng_states, world_size), keep_last,
-                                                 retention))
-    return SaveResult(Path(path) if path else None, failure)
-
-
-def start_sharded_write(target: Path, sharded: dict[str, Any], group: Any, keep_last: int,
-                        retention: Retention | None = None
-                        ) -> Callable[[dict[str, Any]], tuple[str | None, CheckpointError | None] | None]:
-    """Start writing `sharded` into a new scratch directory for `target` in the background
-    (collective): DCP's async save on `group`, a process group of the saves' own, since the
-    training's collectives go on in the meantime. Returns the writer thread's work, given
-    rank 0's other files: wait for this rank's shards, report them over `group`, and on rank 0
-    commit (its outcome; None elsewhere)."""
-    scratch = Path(on_rank_zero(lambda: str(new_scratch(target))))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    saving = dcp.async_save(sharded, checkpoint_id=str(scratch / SHARDED_DIR), process_group=group)
-    # A plain Future without an async stager (none is given); with one, the upload's own.
-    future = saving.upload_completion if isinstance(saving, AsyncSaveResponse) else saving
-
-    def work(contents: dict[str, Any]) -> tuple[str | None, CheckpointError | None] | None:
-        report = _write_own(scratch, rank, future.result)
-        reports: list[Any] | None = [None] * world_size if rank == 0 else None
-        dist.gather_object(report, reports, dst=0, group=group)
-        return _commit(target, scratch, reports, contents, keep_last, retention) if reports is not None else None
-
-    return work
+from ddp_amp.errors import UsageError
 
 
 def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any]:
