@@ -1,4 +1,4 @@
-"""examples/plugin_task.py, as README's "Your own task" runs it: torchrun, 2 ranks (CI runs it)."""
+"""examples/plugin_task.py, as docs/tasks.md's "Your own task" runs it: torchrun, 2 ranks (CI runs it)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ dispatch work ddp_amp adds: exactly what a fast GPU step pays on top of the hand
 included, with one thread and the contenders interleaved in one process (stats.py).
 
 Contenders, interleaved in one process: the hand loop; the Trainer's step; and a loop
-written on `Session`, as the README's Library API shows it (`session.autocast()`, forward
+written on `Session`, as docs/library.md shows it (`session.autocast()`, forward
 and loss, `session.backward`, `session.step`, `zero_grad`). Rows: fp32, bf16 and fp16,
 each without a process group (plain module, no DDP) and with a group of one (the DDP
 path, gloo on CPU), once for the Trainer and once for the Session loop. Each row reports
