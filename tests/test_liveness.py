@@ -161,22 +161,32 @@ def test_a_rank_killed_with_sigkill_is_named_in_one_line(tmp_path: Path) -> None
     print(f"named {named - started:.2f} s after the start line")
 
 
+def _root_cause(output: Output) -> str:
+    """torchrun's "Root Cause" section of the job's output."""
+    return output.text().split("Root Cause (first observed failure):")[1]
+
+
 def test_a_rank_that_stops_answering_is_named_once_its_heartbeat_is_silent(tmp_path: Path) -> None:
-    """SIGSTOP: the process is there, its heartbeat is not; as a rank on a lost node looks."""
+    """SIGSTOP: the process is there, its heartbeat is not; as a rank on a lost node looks.
+    Its own helper ends it once it is named, and torchrun reports it as the root cause
+    (not the judge that ended first)."""
     proc, output = _start([*TORCHRUN, "-m", "ddp_amp.train", *CKPT, "--run-dir", str(tmp_path), "--task-opt",
                            "stop_at=20", "--task-opt", "kill_rank=1", "--dist-timeout", "120"])
     try:
         started, _ = output.first(" start: fresh run")
         named, line = output.first("^ddp_amp: ")
+        code = proc.wait(60)
     finally:
-        for pid in child_pids(proc.pid):  # the stopped rank; torchrun would wait 30 s for it
+        for pid in child_pids(proc.pid):  # only where the test failed: the stopped rank
             os.kill(pid, signal.SIGKILL)
-    assert proc.wait(60) != 0
+    assert code != 0
     output.wait_closed(10)
     assert output.ours() == [line], output.text()[-3000:]
     assert line.startswith("ddp_amp: rank 1 went silent (last heard at ") and "the other ranks reached step 20" in line
     # Its last heartbeat may come a poll (0.5 s) before the start line; silent from step 20 on.
     assert SILENCE_S - 1 < named - started < SILENCE_S + 10, named - started
+    root_cause = _root_cause(output)
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", root_cause) and "rank 1 went silent" in root_cause, root_cause
     print(f"named {named - started:.2f} s after the start line (silence {SILENCE_S} s)")
 
 
@@ -195,6 +205,7 @@ def test_a_rank_hung_in_its_own_code_is_named_within_the_dist_timeout(tmp_path: 
     assert "Timed out waiting" not in output.text(), output.text()[-3000:]
     # 20 steps take well under a second; then gloo's timeout, and the others get 2 s to say theirs.
     assert named - started < timeout + 5, named - started
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", _root_cause(output)), _root_cause(output)
     print(f"named {named - started:.2f} s after the start line (--dist-timeout {timeout})")
 
 

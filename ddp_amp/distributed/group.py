@@ -214,7 +214,7 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
     # may start much later (its data loads), and its silence clock starts at its first beat.
     progress = Progress()
     _OUR_GROUP = (store if env.is_distributed else None), progress
-    start_heart(store if env.is_distributed else None, env, liveness.poll_s, progress)
+    start_heart(store if env.is_distributed else None, env, liveness, progress)
     # The group is formed on our own store first (a per-attempt prefix, above); the mesh
     # then lays the ranks out on it.
     return DistContext(env, torch_device, chosen, store if env.is_distributed else None, progress,
