@@ -153,12 +153,15 @@ def test_a_rank_killed_with_sigkill_is_named_in_one_line(tmp_path: Path) -> None
     assert heard is not None, line
     assert heard[1] == "no step yet" or int(heard[1].split()[1]) <= 200
     assert "GLHF" not in output.text() and "Connection closed" not in output.text(), output.text()[-3000:]
-    # On the same machine its end is seen at once (its pid), not after SILENCE_S of no heartbeat.
+    # Its helper sees its process end (GONE): named at once, not after SILENCE_S of no heartbeat.
     assert named - started < SILENCE_S, named - started
     # torchrun's summary names the killed rank as the root cause, not the survivor that ended.
     root_cause = output.text().split("Root Cause (first observed failure):")[1]
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9", root_cause), root_cause
     print(f"named {named - started:.2f} s after the start line")
+
+
+STOPPED_SILENCE_S = 4.0  # the stopped rank's test: 8 polls, as short as a loaded machine allows
 
 
 def _root_cause(output: Output) -> str:
@@ -171,7 +174,8 @@ def test_a_rank_that_stops_answering_is_named_once_its_heartbeat_is_silent(tmp_p
     Its own helper ends it once it is named, and torchrun reports it as the root cause
     (not the judge that ended first)."""
     proc, output = _start([*TORCHRUN, "-m", "ddp_amp.train", *CKPT, "--run-dir", str(tmp_path), "--task-opt",
-                           "stop_at=20", "--task-opt", "kill_rank=1", "--dist-timeout", "120"])
+                           "stop_at=20", "--task-opt", "kill_rank=1", "--dist-timeout", "120",
+                           "--peer-silence", str(STOPPED_SILENCE_S)])
     try:
         started, _ = output.first(" start: fresh run")
         named, line = output.first("^ddp_amp: ")
@@ -184,10 +188,10 @@ def test_a_rank_that_stops_answering_is_named_once_its_heartbeat_is_silent(tmp_p
     assert output.ours() == [line], output.text()[-3000:]
     assert line.startswith("ddp_amp: rank 1 went silent (last heard at ") and "the other ranks reached step 20" in line
     # Its last heartbeat may come a poll (0.5 s) before the start line; silent from step 20 on.
-    assert SILENCE_S - 1 < named - started < SILENCE_S + 10, named - started
+    assert STOPPED_SILENCE_S - 1 < named - started < STOPPED_SILENCE_S + 10, named - started
     root_cause = _root_cause(output)
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)", root_cause) and "rank 1 went silent" in root_cause, root_cause
-    print(f"named {named - started:.2f} s after the start line (silence {SILENCE_S} s)")
+    print(f"named {named - started:.2f} s after the start line (silence {STOPPED_SILENCE_S} s)")
 
 
 def test_a_rank_hung_in_its_own_code_is_named_within_the_dist_timeout(tmp_path: Path) -> None:
