@@ -20,7 +20,7 @@ from pathlib import Path
 from ddp_amp.checkpoint import verify_checkpoint
 from ddp_amp.checkpoint.discovery import checkpoint_root, list_step_dirs
 from ddp_amp.distributed import PeerWatch, Progress
-from ddp_amp.distributed.liveness import SILENCE_S, rank_list, silent_line
+from ddp_amp.distributed.liveness import SILENCE_S, PeerTracker, rank_list, silent_line
 from tests.multiproc import REPO_ROOT, child_pids, cli_env, free_port, is_running, run_ranks, run_train
 from tests.resume_harness import TASK
 
@@ -263,6 +263,27 @@ def test_the_line_lists_ranks_and_steps_compactly() -> None:
     assert line.startswith("ddp_amp: ranks 3-4 went silent (last heard at steps 11 (rank 3), none yet (rank 4)): "
                            "their processes ended")
     assert line.endswith("; the other ranks reached step 12")
+
+
+def test_the_tracker_judges_on_the_beats_alone() -> None:
+    """A judge's view of four ranks, at times it is given: GONE is named at once, DONE never,
+    an unchanged beat after the silence limit, and a rank with no beat only once a
+    collective timed out (it never arrived)."""
+    tracker = PeerTracker(0, 4, silence_s=10.0)
+    tracker.update([b"1:1 5 r", b"1:1 5 r", b"1:1 5 r", b""], now=0.0)
+    tracker.update([b"1:2 6 r", b"1:2 5 x", b"1:1 5 r", b""], now=1.0)
+    assert tracker.gone(1.0) == [1] and tracker.never_arrived(1.0, settle_s=2.0) == []  # 3: no beat yet, not judged
+    tracker.update([b"1:3 7 r", b"1:2 5 x", b"1:2 6 d", b""], now=11.5)
+    tracker.update([b"1:4 7 t"], now=12.0, ranks=[0])  # the judge's own collective timed out
+    assert tracker.never_arrived(13.0, settle_s=2.0) == [] and tracker.never_arrived(14.0, settle_s=2.0) == [3]
+    assert tracker.gone(30.0) == [1]  # 2 said DONE: its silence is no failure (0 is the judge itself)
+    steps = {rank: tracker.step(rank) for rank in range(4)}
+    assert steps == {0: 7, 1: 5, 2: 6, 3: None}
+    assert silent_line([1], [], steps, [3]) == (
+        "ddp_amp: rank 1 went silent (last heard at step 5): its process ended or stopped without an error of its "
+        "own (killed, e.g. by the OOM killer or kill -9, or its node was lost); rank 3 never arrived: no heartbeat "
+        "since the group formed (its process did not start, or ended before it joined: see its own output); the "
+        "other ranks reached steps 7 (rank 0), 6 (rank 2)")
 
 
 def test_a_rank_holding_the_gil_past_the_silence_limit_is_not_named(tmp_path: Path) -> None:
