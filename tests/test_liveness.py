@@ -20,7 +20,7 @@ from pathlib import Path
 from ddp_amp.checkpoint import verify_checkpoint
 from ddp_amp.checkpoint.discovery import checkpoint_root, list_step_dirs
 from ddp_amp.distributed import PeerWatch, Progress
-from ddp_amp.distributed.liveness import SILENCE_S, rank_list, silent_line
+from ddp_amp.distributed.liveness import SILENCE_S, PeerTracker, rank_list, silent_line
 from tests.multiproc import REPO_ROOT, child_pids, cli_env, free_port, is_running, run_ranks, run_train
 from tests.resume_harness import TASK
 
@@ -153,7 +153,7 @@ def test_a_rank_killed_with_sigkill_is_named_in_one_line(tmp_path: Path) -> None
     assert heard is not None, line
     assert heard[1] == "no step yet" or int(heard[1].split()[1]) <= 200
     assert "GLHF" not in output.text() and "Connection closed" not in output.text(), output.text()[-3000:]
-    # On the same machine its end is seen at once (its pid), not after SILENCE_S of no heartbeat.
+    # Its helper sees its process end (GONE): named at once, not after SILENCE_S of no heartbeat.
     assert named - started < SILENCE_S, named - started
     # torchrun's summary names the killed rank as the root cause, not the survivor that ended.
     root_cause = output.text().split("Root Cause (first observed failure):")[1]
@@ -161,23 +161,37 @@ def test_a_rank_killed_with_sigkill_is_named_in_one_line(tmp_path: Path) -> None
     print(f"named {named - started:.2f} s after the start line")
 
 
+STOPPED_SILENCE_S = 4.0  # the stopped rank's test: 8 polls, as short as a loaded machine allows
+
+
+def _root_cause(output: Output) -> str:
+    """torchrun's "Root Cause" section of the job's output."""
+    return output.text().split("Root Cause (first observed failure):")[1]
+
+
 def test_a_rank_that_stops_answering_is_named_once_its_heartbeat_is_silent(tmp_path: Path) -> None:
-    """SIGSTOP: the process is there, its heartbeat is not; as a rank on a lost node looks."""
+    """SIGSTOP: the process is there, its heartbeat is not; as a rank on a lost node looks.
+    Its own helper ends it once it is named, and torchrun reports it as the root cause
+    (not the judge that ended first)."""
     proc, output = _start([*TORCHRUN, "-m", "ddp_amp.train", *CKPT, "--run-dir", str(tmp_path), "--task-opt",
-                           "stop_at=20", "--task-opt", "kill_rank=1", "--dist-timeout", "120"])
+                           "stop_at=20", "--task-opt", "kill_rank=1", "--dist-timeout", "120",
+                           "--peer-silence", str(STOPPED_SILENCE_S)])
     try:
         started, _ = output.first(" start: fresh run")
         named, line = output.first("^ddp_amp: ")
+        code = proc.wait(60)
     finally:
-        for pid in child_pids(proc.pid):  # the stopped rank; torchrun would wait 30 s for it
+        for pid in child_pids(proc.pid):  # only where the test failed: the stopped rank
             os.kill(pid, signal.SIGKILL)
-    assert proc.wait(60) != 0
+    assert code != 0
     output.wait_closed(10)
     assert output.ours() == [line], output.text()[-3000:]
     assert line.startswith("ddp_amp: rank 1 went silent (last heard at ") and "the other ranks reached step 20" in line
     # Its last heartbeat may come a poll (0.5 s) before the start line; silent from step 20 on.
-    assert SILENCE_S - 1 < named - started < SILENCE_S + 10, named - started
-    print(f"named {named - started:.2f} s after the start line (silence {SILENCE_S} s)")
+    assert STOPPED_SILENCE_S - 1 < named - started < STOPPED_SILENCE_S + 10, named - started
+    root_cause = _root_cause(output)
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", root_cause) and "rank 1 went silent" in root_cause, root_cause
+    print(f"named {named - started:.2f} s after the start line (silence {STOPPED_SILENCE_S} s)")
 
 
 def test_a_rank_hung_in_its_own_code_is_named_within_the_dist_timeout(tmp_path: Path) -> None:
@@ -195,6 +209,7 @@ def test_a_rank_hung_in_its_own_code_is_named_within_the_dist_timeout(tmp_path: 
     assert "Timed out waiting" not in output.text(), output.text()[-3000:]
     # 20 steps take well under a second; then gloo's timeout, and the others get 2 s to say theirs.
     assert named - started < timeout + 5, named - started
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", _root_cause(output)), _root_cause(output)
     print(f"named {named - started:.2f} s after the start line (--dist-timeout {timeout})")
 
 
@@ -248,6 +263,27 @@ def test_the_line_lists_ranks_and_steps_compactly() -> None:
     assert line.startswith("ddp_amp: ranks 3-4 went silent (last heard at steps 11 (rank 3), none yet (rank 4)): "
                            "their processes ended")
     assert line.endswith("; the other ranks reached step 12")
+
+
+def test_the_tracker_judges_on_the_beats_alone() -> None:
+    """A judge's view of four ranks, at times it is given: GONE is named at once, DONE never,
+    an unchanged beat after the silence limit, and a rank with no beat only once a
+    collective timed out (it never arrived)."""
+    tracker = PeerTracker(0, 4, silence_s=10.0)
+    tracker.update([b"1:1 5 r", b"1:1 5 r", b"1:1 5 r", b""], now=0.0)
+    tracker.update([b"1:2 6 r", b"1:2 5 x", b"1:1 5 r", b""], now=1.0)
+    assert tracker.gone(1.0) == [1] and tracker.never_arrived(1.0, settle_s=2.0) == []  # 3: no beat yet, not judged
+    tracker.update([b"1:3 7 r", b"1:2 5 x", b"1:2 6 d", b""], now=11.5)
+    tracker.update([b"1:4 7 t"], now=12.0, ranks=[0])  # the judge's own collective timed out
+    assert tracker.never_arrived(13.0, settle_s=2.0) == [] and tracker.never_arrived(14.0, settle_s=2.0) == [3]
+    assert tracker.gone(30.0) == [1]  # 2 said DONE: its silence is no failure (0 is the judge itself)
+    steps = {rank: tracker.step(rank) for rank in range(4)}
+    assert steps == {0: 7, 1: 5, 2: 6, 3: None}
+    assert silent_line([1], [], steps, [3]) == (
+        "ddp_amp: rank 1 went silent (last heard at step 5): its process ended or stopped without an error of its "
+        "own (killed, e.g. by the OOM killer or kill -9, or its node was lost); rank 3 never arrived: no heartbeat "
+        "since the group formed (its process did not start, or ended before it joined: see its own output); the "
+        "other ranks reached steps 7 (rank 0), 6 (rank 2)")
 
 
 def test_a_rank_holding_the_gil_past_the_silence_limit_is_not_named(tmp_path: Path) -> None:

@@ -67,14 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
         "trainer on an mlp of 8 layers of width 4096 x --scale (101M parameters and AdamW state at scale 1); "
         "(resume) each rank's verification time and bytes hashed when a sharded checkpoint is found again, "
         "on 1, 2 and 4 gloo ranks, against its own files plus the replicated files; then rank 0's time and "
-        "file operations at save and at resume with --resume-ranks emulated ranks' files on local disk; (data) "
-        "tokenizing JSON lines per core against datasets.map, the causal_lm loader's draw against its step, a "
-        "rank's memory with 1e9 windows. "
+        "file operations at save and at resume with --resume-ranks emulated ranks' files on local disk; (scale) "
+        "the liveness watch at 64 to 16,384 ranks against one real store, every rank with its own connection "
+        "at its real beat rate: the store's and the judges' CPU, the beat rate achieved against the one asked, "
+        "the detection time of a lost rank and the live ranks named; (data) tokenizing JSON lines per core "
+        "against datasets.map, the causal_lm loader's draw against its step, a rank's memory with 1e9 windows. "
         "Defaults depend on the device: recipe sizes on CUDA, 1/16 of them and short runs on CPU.")
     parser.add_argument("--scale-ranks", default=",".join(map(str, scale.RANKS)),
                         help="the scale section's world sizes, comma-separated (default: %(default)s)")
     parser.add_argument("--scale-silence", type=float, default=scale.SILENCE_S,
-                        help="the scale section's silence limit in seconds, as --peer-silence sets it for a run; "
+                        help="the scale section's silence limit in seconds, as --peer-silence sets it for a run "
+                        "(at least four beat periods: 16 s at 16,384 ranks); "
                         "each size takes about twice this (default: %(default)s)")
     parser.add_argument("--resume-ranks", default=",".join(map(str, rank_zero.RANKS)),
                         help="the resume section's emulated world sizes for rank 0's share, comma-separated; the "

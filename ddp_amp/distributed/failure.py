@@ -6,9 +6,10 @@ timeout (`--dist-timeout`, 600 s by default). So:
 - the failing rank publishes its message in the group's store (`publish_failure`) before
   it exits, and prints it, unless another rank's failure was published first (ranks that
   fail together print one line);
-- every rank runs a `watch.PeerWatch` while it trains: a thread that looks in the store
-  twice a second and, once another rank's failure is there, ends this process at once
-  (exit 1) without a message of its own, even while it is blocked in a collective;
+- every rank's heartbeat helper waits in the store for news (heartbeat.py), and its
+  `watch.PeerWatch`, a thread that hears it twice a second, ends this process at once
+  (exit 1) without a message of its own once another rank's failure is there, even while
+  it is blocked in a collective;
 - a rank that finds a peer silent (gone, or hung: liveness.py) claims the failure with
   `claim_failure`: of several ranks that find it at once, one prints the line;
 - a rank whose own call failed because a peer vanished reads the store before printing
@@ -26,7 +27,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-FAILURE_KEY = "ddp_amp/failure"
+from ddp_amp.distributed.store_keys import FAILURE_KEY, announce
+
 EXIT_PEER_FAILED = 1
 
 
@@ -44,10 +46,14 @@ def publish_failure(store: dist.Store | None, rank: int, message: str) -> bool:
 
 
 def claim_failure(store: dist.Store, rank: int, message: str) -> bool:
-    """Publish `message` as the job's failure unless one is there already; True where this
-    call published it (raises where the store cannot be reached)."""
+    """Publish `message` as the job's failure unless one is there already, and wake every
+    rank's helper with the news (store_keys.py); True where this call published it (raises
+    where the store cannot be reached)."""
     value = json.dumps({"rank": rank, "message": message})
-    return bytes(store.compare_set(FAILURE_KEY, "", value)) == value.encode()
+    claimed = bytes(store.compare_set(FAILURE_KEY, "", value)) == value.encode()
+    if claimed:
+        announce(store)
+    return claimed
 
 
 def published_failure(store: dist.Store | None) -> dict[str, Any] | None:
@@ -55,7 +61,6 @@ def published_failure(store: dist.Store | None) -> dict[str, Any] | None:
     if store is None:
         return None
     try:
-        # The key exists empty from the first heartbeat on (heartbeat.py): no failure yet.
         if store.check([FAILURE_KEY]) and (raw := store.get(FAILURE_KEY)):
             return json.loads(raw)
     except Exception:  # noqa: BLE001 - a dead store tells nothing

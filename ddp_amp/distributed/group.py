@@ -7,6 +7,7 @@ code path everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import re
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ddp_amp.distributed.device import DeviceChoice, resolve_device
+from ddp_amp.distributed.held_stderr import HeldStderr
 from ddp_amp.distributed.launcher import check_launcher_store
 from ddp_amp.distributed.liveness import Liveness, Progress, remember_prefix
 from ddp_amp.distributed.watch import start_heart, stop_watches
@@ -142,11 +144,8 @@ def _open_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     is_server = env.rank == 0 and not env.agent_hosts_store
     # Every rank passes wait_for_workers=True: that is what registers a client with the
     # server's worker count (the server alone then blocks until all have joined).
-    try:
-        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_server,
-                              timeout=timeout, wait_for_workers=True)
-    except (dist.DistStoreError, dist.DistNetworkError) as error:
-        raise _late(env, timeout, error) from None
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_server,
+                          timeout=timeout, wait_for_workers=True)
     # After a torchrun restart the agent's store still holds the keys of the failed
     # attempt; re-forming gloo on them failed or hung in 5 of 8 tries, and a fresh prefix
     # per attempt gave each attempt clean keys: 8 of 8 (docs/facts.md, torchrun restarts).
@@ -202,19 +201,25 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
                            mesh=build_mesh(torch_device, dist.get_world_size(), replicate),
                            liveness=liveness)
     timeout = timedelta(seconds=timeout_s)
-    # A group of one needs no rendezvous: an in-memory store, no port to claim.
-    store = _open_store(env, timeout) if env.is_distributed else dist.HashStore()
-    try:
-        per_device = f"cuda:{chosen},cpu:gloo" if host_collectives and chosen == "nccl" else chosen
-        dist.init_process_group(per_device, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
-    except (dist.DistStoreError, dist.DistNetworkError) as error:
-        raise _late(env, timeout, error) from None
+    # A rank that never arrives makes every other rank's store call fail, and c10d print a
+    # stack trace on each: held back, ddp_amp's one line says it (held_stderr.py).
+    with HeldStderr() if env.is_distributed else contextlib.nullcontext() as held:
+        try:
+            # A group of one needs no rendezvous: an in-memory store, no port to claim.
+            store = _open_store(env, timeout) if env.is_distributed else dist.HashStore()
+            per_device = f"cuda:{chosen},cpu:gloo" if host_collectives and chosen == "nccl" else chosen
+            dist.init_process_group(per_device, store=store, rank=env.rank, world_size=env.world_size,
+                                    timeout=timeout)
+        except (dist.DistStoreError, dist.DistNetworkError) as error:
+            if held is not None:
+                held.drop_c10d()
+            raise _late(env, timeout, error) from None
     log.debug("rank %d joined %s group of %d", env.rank, chosen, env.world_size)
     # Every rank beats from here on, in a process of its own (heartbeat.py): a rank's loop
     # may start much later (its data loads), and its silence clock starts at its first beat.
     progress = Progress()
     _OUR_GROUP = (store if env.is_distributed else None), progress
-    start_heart(store if env.is_distributed else None, env, liveness.poll_s, progress)
+    start_heart(store if env.is_distributed else None, env, liveness, progress)
     # The group is formed on our own store first (a per-attempt prefix, above); the mesh
     # then lays the ranks out on it.
     return DistContext(env, torch_device, chosen, store if env.is_distributed else None, progress,

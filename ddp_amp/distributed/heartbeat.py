@@ -3,24 +3,32 @@
 A rank's own threads cannot be relied on to beat: a C call that holds the GIL for 15 s
 (`torch.load` of a large file, a big `sorted`) pauses every Python thread of the process,
 and its peers would take a live rank for a dead one. So each rank starts this helper
-(plain Python, no torch: it starts in milliseconds), which every poll
-1. looks at its parent's /proc state: gone or a zombie, it exits (the beats stop, the rank
-   is named); stopped (SIGSTOP), it skips the beat (a stopped rank is a silent one); running
-   or blocked, it beats, whatever the parent's threads are doing;
-2. writes the beat (one `set` of O(1) size) with the rank's last finished step, read from a
-   page both processes map (the training loop writes it as it sets `Progress.step`: no
-   thread of the rank needs to run), and the state the rank last told it (a line on its
-   stdin, written by the rank's watch thread);
-3. reads the job's verdict (one `multi_get` of two keys: the failure, and whether the store's
-   host finished) and passes news to the rank on its stdout: `F <failure>`, `H` (the host
-   finished: its store going away is no failure), `L` (the store refuses connections: its
-   host is gone).
-A rank that should have ended on that news and is still there after KILL_GRACE_S (hung with
-the GIL held, or in code that runs no watch yet) is ended by its helper with SIGKILL: every
-rank ends, the hung one included. Two requests per rank per poll, whatever the world size.
+(plain Python, no torch: it starts in well under a second, unless its interpreter is slow
+to load; the rank stands in for it meanwhile, heart.py). Its loop wakes at least every poll
+and
+1. looks at its parent's /proc state: gone or a zombie, its last beat says so (GONE: the
+   judges name the rank at once, wherever it ran) and it exits; stopped (SIGSTOP), it
+   beats no more (a stopped rank is a silent one); running or blocked, it beats, whatever
+   the parent's threads are doing;
+2. marks the page it shares with the rank with the time (the rank's keeper sees a helper
+   that stopped looping) and, every beat period, writes the beat: one `set` with the
+   rank's last finished step (read from that page: the training loop writes it there, no
+   thread of the rank needs to run) and the state the rank last told it (a line on its
+   stdin, written by the rank's watch thread); a new state goes out at once. Its stdin
+   closing without a last "end" line means the rank's process is exiting: GONE, as above;
+3. holds a WAIT for the job's next news (store_keys.py): a failure published, or the
+   store's host done. It reads the verdict when woken and passes it to the rank on its
+   stdout: `F <failure>`, `H` (the host finished: its store going away is no failure),
+   `L` (the store refuses connections: its host is gone).
+A rank that a judge named is ended by its own helper at once (SIGKILL), after writing
+torchrun's error file with the judge's line and when the evidence began: torchrun then
+reports the named rank as the root cause, not the judge that ended first. A rank that
+should have ended on other news and is still there after KILL_GRACE_S (hung with the GIL
+held, or in code that runs no watch yet) is ended too: every rank ends.
+Per rank, one request per beat period; the news costs nothing until there is some.
 
 Run as a script by its path (`python -E -s heartbeat.py ...`): importing the package would
-import torch. `Heart` is the rank's side.
+import torch. `heart.Heart` is the rank's side.
 """
 
 from __future__ import annotations
@@ -33,19 +41,18 @@ import os
 import select
 import signal
 import struct
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-FAILURE_KEY = "ddp_amp/failure"  # failure.py's key; this file cannot import it (no torch here)
-HOST_DONE_KEY = "ddp_amp/host_done"
-BEAT_KEY = "ddp_amp/beat/"
 KILL_GRACE_S = 10.0  # the rank's own watch exits within a poll; longer means it cannot run
 STORE_DOWN_POLLS = 3  # consecutive polls the store refused connections: its host is gone
-STEP_PAGE_BYTES = 8  # the shared page holds one int64: the rank's last finished step
+# The page both processes map: the rank's last finished step (int64, written by the rank),
+# then the helper's last loop (a monotonic time, written here).
+PAGE = struct.Struct("<qd")
+TICK_AT = 8
+END = "end"  # the rank's last line: its state before it is final
 
 
 def _parent_state(pid: int) -> str | None:
@@ -55,85 +62,174 @@ def _parent_state(pid: int) -> str | None:
         return None
 
 
-def _read_step(page: mmap.mmap) -> str:
-    """The rank's last finished step as the beat carries it ("-": none yet); liveness.py's
-    `write_step` writes it."""
-    step = struct.unpack_from("<q", page, 0)[0]
+def read_step(page: Any) -> str:
+    """The rank's last finished step as a beat carries it ("-": none yet)."""
+    step = PAGE.unpack_from(page, 0)[0]
     return "-" if step < 0 else str(step)
 
 
-def _helper(host: str, port: int, prefix: str, rank: int, interval_s: float, is_host: bool,
-            parent: int, step_fd: int, identity: str) -> None:
-    """The helper's loop (in its own process); `identity`: 'pid started machine' of the rank;
-    `step_fd`: the page the rank writes its step to."""
-    wire = importlib.import_module("store_wire")  # beside this file: no package, no torch
-    page = mmap.mmap(step_fd, STEP_PAGE_BYTES, prot=mmap.PROT_READ)
-    client: Any = None
-    count, state, eof, down = 0, "r", False, 0
-    failure_at: float | None = None
-    lost_at: float | None = None
-    host_done = False
-    pending = b""
-    while True:
-        parent_state = _parent_state(parent)
-        if os.getppid() != parent or parent_state in (None, "Z", "X"):
+class Helper:
+    """The helper's state and loop (in its own process)."""
+
+    def __init__(self, host: str, port: int, prefix: str, rank: int, beat_s: float, poll_s: float,
+                 is_host: bool, parent: int, step_fd: int, generation: int) -> None:
+        self.wire = importlib.import_module("store_wire")  # beside this file: no package, no torch
+        self.keys = importlib.import_module("store_keys")
+        self.address, self.prefix, self.rank = (host, port), prefix, rank
+        self.beat_s, self.poll_s, self.is_host, self.parent = beat_s, poll_s, is_host, parent
+        self.page = mmap.mmap(step_fd, PAGE.size)
+        self.generation, self.count = generation, 0
+        self.client: Any = None
+        self.state, self.sent_state, self.pending = self.keys.RUNNING, "", b""
+        self.eof = self.ending = False
+        self.next_beat, self.down = 0.0, 0
+        self.failure, self.host_done, self.told_host_done = b"", False, False
+        self.failure_at: float | None = None
+        self.record: dict[str, Any] = {}
+        self.lost_at: float | None = None
+
+    def run(self) -> None:
+        # A launcher's SIGTERM to the worker's process group (torchrun's teardown) is the
+        # rank's to handle: this process ends with it, after its last word.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            now = time.monotonic()
+            struct.pack_into("<d", self.page, TICK_AT, now)
+            self._read_state()
+            if self.ending:
+                self._finish()
+                return
+            parent = _parent_state(self.parent)
+            # Its end of the pipe closed without "end" (its process is exiting), or it is gone.
+            if self.eof or os.getppid() != self.parent or parent in (None, "Z", "X"):
+                if self.state != self.keys.DONE and not self.failure:  # ended without a word: named at once
+                    if self.client is None:
+                        self._connect()
+                    self._beat(self.keys.GONE)
+                return
+            if self.client is None:
+                self._connect()
+            if parent not in ("T", "t") and (now >= self.next_beat or self.state != self.sent_state):
+                self._beat(self.state)
+                self.next_beat = now + self.beat_s
+            if self._act(now):
+                return
+            self._wait(min(self.poll_s, max(0.0, self.next_beat - time.monotonic())))
+
+    def _read_state(self) -> None:
+        """The rank's lines: a state, or "end" after its last state (heart.py's `stop`)."""
+        if not select.select([0], [], [], 0)[0]:
             return
-        if select.select([0], [], [], 0)[0]:
-            data = os.read(0, 4096)
-            eof = not data
-            pending += data
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                state = line.decode().strip() or state
+        data = os.read(0, 4096)
+        self.eof = not data
+        self.pending += data
+        *lines, self.pending = self.pending.split(b"\n")
+        for line in lines:
+            word = line.decode().strip()
+            if word == END:
+                self.ending = True
+            elif word:
+                self.state = word
+
+    def _connect(self) -> None:
         try:
-            if client is None:
-                client = wire.WireClient(host, port, prefix)
-                for key in (FAILURE_KEY, HOST_DONE_KEY):  # created empty: later reads never wait
-                    client.compare_set(key, b"", b"")
-                down = 0
-            if parent_state not in ("T", "t"):
-                client.set(f"{BEAT_KEY}{rank}", f"{count} {_read_step(page)} {state} {identity}".encode())
-                count += 1
-            failure, done = client.multi_get([FAILURE_KEY, HOST_DONE_KEY])
-            if eof:
-                if is_host and state == "d":
-                    client.set(HOST_DONE_KEY, b"1")
+            self.client = self.wire.WireClient(*self.address, self.prefix)
+            self._hear()
+            self.down = 0
+        except ConnectionRefusedError:
+            self.client = None
+            self.down += 1
+        except OSError:
+            self.client = None
+
+    def _hear(self) -> None:
+        """Read the verdict and wait for the next news (a WAIT the store answers later)."""
+        failure, done, news = self.client.multi_get([self.keys.FAILURE_KEY, self.keys.HOST_DONE_KEY,
+                                                     self.keys.NEWS_KEY])
+        self.failure = self.failure or failure
+        self.host_done = self.host_done or bool(done)
+        self.client.send(self.client.wait_request(self.keys.news_slot(int(news or 0) + 1)))
+
+    def _beat(self, state: str) -> None:
+        if self.client is None:
+            return
+        self.count += 1
+        value = self.keys.beat(f"{self.generation}:{self.count}", read_step(self.page), state)
+        try:
+            self.client.set(f"{self.keys.BEAT_KEY}{self.rank}", value)
+            self.sent_state = state
+        except OSError:
+            self._lost()
+
+    def _lost(self) -> None:
+        with contextlib.suppress(OSError):
+            self.client.close()
+        self.client = None
+
+    def _wait(self, timeout: float) -> None:
+        """Until stdin speaks, the store answers the WAIT (or closes), or `timeout` passes."""
+        sources = [0] if self.client is None else [0, self.client.sock]
+        readable = select.select(sources, [], [], timeout)[0]
+        if self.client is None or self.client.sock not in readable:
+            return
+        try:
+            if self.client.woken():
+                self._hear()
                 return
         except OSError:
-            client = None
-            try:
-                wire.WireClient(host, port, prefix).close()
-            except ConnectionRefusedError:
-                down += 1
-            except OSError:
-                pass
-            failure, done = b"", b""
-            if eof:
-                return
-        now = time.monotonic()
-        if failure and failure_at is None:
-            failure_at = now
-            _tell(b"F " + failure)
-        if done and not host_done:
-            host_done = True
+            pass
+        self._lost()  # reconnected at the next loop; refused connections count as down
+
+    def _finish(self) -> None:
+        """The rank said "end" after its last state: beat it, and where this rank hosts the
+        store and is done, say so (a connection of its own: this one holds a WAIT)."""
+        self._beat(self.state)
+        if self.is_host and self.state == self.keys.DONE:
+            with contextlib.suppress(OSError):
+                client = self.wire.WireClient(*self.address, self.prefix)
+                client.set(self.keys.HOST_DONE_KEY, b"1")
+                self.keys.announce(client)
+                client.close()
+
+    def _act(self, now: float) -> bool:
+        """Pass news to the rank; end the rank where it is named or cannot end itself. True
+        once this helper's work is over."""
+        if self.failure and self.failure_at is None:
+            self.failure_at = now
+            self.record = self.keys.parse_failure(self.failure)
+            if self.rank in self.record.get("named", []):
+                _leave_error_file(self.record)
+                os.kill(self.parent, signal.SIGKILL)
+                return True
+            _tell(b"F " + self.failure)
+        if self.host_done and not self.told_host_done:
+            self.told_host_done = True
             _tell(b"H")
-        if down >= STORE_DOWN_POLLS and lost_at is None:
-            lost_at = now
+        if self.down >= STORE_DOWN_POLLS and self.lost_at is None:
+            self.lost_at = now
             _tell(b"L")
-        theirs = bool(failure) and _failed_rank(failure) != rank
-        stranded = lost_at is not None and not host_done
-        since = failure_at if theirs else lost_at if stranded else None
+        theirs = self.failure_at is not None and self.record.get("rank") != self.rank
+        stranded = self.lost_at is not None and not self.host_done
+        since = self.failure_at if theirs else self.lost_at if stranded else None
         if since is not None and now - since > KILL_GRACE_S:
-            os.kill(parent, signal.SIGKILL)
-            return
-        time.sleep(interval_s)
+            os.kill(self.parent, signal.SIGKILL)
+            return True
+        return False
 
 
-def _failed_rank(failure: bytes) -> int | None:
-    try:
-        return int(json.loads(failure)["rank"])
-    except (ValueError, KeyError, TypeError):
-        return None
+def _leave_error_file(record: dict[str, Any]) -> None:
+    """Under torchrun: the named rank's error file, unless it wrote one itself. torchrun
+    reports the failure with the earliest time as the root cause: this one's is when the
+    evidence against the rank began, before any other rank ended."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    since = record.get("since")
+    when = int(since) if isinstance(since, (int, float)) else int(time.time())
+    message = str(record.get("message", ""))
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps({"message": {"message": message, "extraInfo": {
+            "py_callstack": message, "timestamp": str(when)}}}))
 
 
 def _tell(news: bytes) -> None:
@@ -141,91 +237,7 @@ def _tell(news: bytes) -> None:
         os.write(1, news.replace(b"\n", b" ") + b"\n")
 
 
-def _shared_page() -> tuple[int, mmap.mmap]:
-    """A file of STEP_PAGE_BYTES with no name (nothing to clean up after a SIGKILL), mapped
-    here; its descriptor is passed to the helper, which maps it too."""
-    try:
-        fd = os.memfd_create("ddp_amp-step")
-    except (AttributeError, OSError):  # no memfd: an unlinked temporary file is as good
-        with tempfile.TemporaryFile() as handle:
-            fd = os.dup(handle.fileno())
-    os.ftruncate(fd, STEP_PAGE_BYTES)
-    page = mmap.mmap(fd, STEP_PAGE_BYTES)
-    struct.pack_into("<q", page, 0, -1)
-    return fd, page
-
-
-class Heart:
-    """The rank's side of its helper: start it, tell it the state, read its news. The step
-    goes through `page`, which the rank's `Progress` writes to (`Progress.mirror_to`)."""
-
-    def __init__(self, address: tuple[str, int], prefix: str, rank: int, interval_s: float, is_host: bool,
-                 identity: str) -> None:
-        self._fd, self._map = _shared_page()
-        self.page = memoryview(self._map)
-        self.args = [address[0], str(address[1]), prefix, str(rank), str(interval_s), str(int(is_host)),
-                     str(os.getpid()), str(self._fd), identity]
-        self.interval_s = interval_s
-        self._pending = b""
-        self.proc = self._spawn()
-
-    def _spawn(self) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen([sys.executable, "-E", "-s", __file__, *self.args], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
-                                pass_fds=(self._fd,))
-        if proc.stdout is not None:
-            os.set_blocking(proc.stdout.fileno(), False)
-        return proc
-
-    def ensure_running(self) -> None:
-        """Start it again where it ended (killed by the OOM killer, say): its beats are the rank's."""
-        if self.proc.poll() is not None:
-            self.proc = self._spawn()
-
-    def tell(self, state: str) -> None:
-        try:
-            self.proc.stdin.write(f"{state}\n".encode())  # type: ignore[union-attr]  # a pipe
-            self.proc.stdin.flush()  # type: ignore[union-attr]  # a pipe
-        except (OSError, ValueError):  # it ended: ensure_running starts it again
-            pass
-
-    def news(self) -> list[str]:
-        """The lines the helper wrote since the last call."""
-        try:
-            data = self.proc.stdout.read() or b""  # type: ignore[union-attr]  # a pipe, non-blocking
-        except OSError:
-            data = b""
-        *lines, self._pending = (self._pending + data).split(b"\n")
-        return [line.decode(errors="replace") for line in lines]
-
-    def stop(self, state: str | None) -> None:
-        """End the helper: with a `state`, after its last beat says it (DONE); without, at once
-        (a failed rank's beats stop: its peers are right to name it once it is gone)."""
-        try:
-            if state is not None and self.proc.poll() is None:
-                self.tell(state)
-                try:
-                    self.proc.stdin.close()  # type: ignore[union-attr]  # a pipe: EOF makes its last beat
-                    self.proc.wait(5 + 2 * self.interval_s)
-                    return
-                except (OSError, subprocess.TimeoutExpired):
-                    pass
-            self.proc.kill()
-            self.proc.wait()
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        """Unmap the page and close its descriptor; a Progress still mirroring to it must have
-        been pointed elsewhere first (`Progress.mirror_to(None)`)."""
-        with contextlib.suppress(BufferError, ValueError):  # still exported: left to the collector
-            self.page.release()
-            self._map.close()
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
-
-
 if __name__ == "__main__":
-    _host, _port, _prefix, _rank, _interval, _is_host, _parent, _step_fd, *_identity = sys.argv[1:]
-    _helper(_host, int(_port), _prefix, int(_rank), float(_interval), _is_host == "1", int(_parent), int(_step_fd),
-            " ".join(_identity))
+    _host, _port, _prefix, _rank, _beat_s, _poll_s, _is_host, _parent, _fd, _generation = sys.argv[1:]
+    Helper(_host, int(_port), _prefix, int(_rank), float(_beat_s), float(_poll_s), _is_host == "1", int(_parent),
+           int(_fd), int(_generation)).run()

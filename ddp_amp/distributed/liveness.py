@@ -1,55 +1,57 @@
 """Which ranks are alive and making progress: a heartbeat per rank in the group's store.
 
-Each rank's watch thread (`watch.PeerWatch`) writes this rank's heartbeat every poll: a
-count that changes each time, the last step the training loop finished (`Progress.step`,
-an int the loop sets once per step and the thread reads: the loop itself never touches
-the store), whether this rank's last collective failed, and what identifies its process.
+Each rank's heartbeat (store_keys.py) is written by its heartbeat helper (heartbeat.py), a
+process that beats while the rank's process runs, whatever its threads do; the rank's
+keeper (heart.py) beats in its place while the helper does not. A beat carries a tag that
+changes every time, the last step the training loop finished (`Progress.step`, which the
+loop sets once per step: the loop itself never touches the store) and the rank's state.
+The beats are read in batches by the judges (ranks 0 and 1), never by every rank: the
+store's work per beat period grows with the number of ranks, not with its square.
 
-The beats are written by each rank's heartbeat helper (heartbeat.py), a process that beats
-while the rank's process runs, whatever its threads do; they are read in batches by the
-judges (ranks 0 and 1), never by every rank: the store's work per poll grows with the
-number of ranks, not with its square.
+Each rank beats every `beat_s`: the poll (`--peer-poll`), widened at large world sizes so
+that the store receives at most BEATS_PER_S beats a second (at 16,384 ranks, one beat per
+rank every 4 s); the silence limit is then at least four beat periods (`silence_for`).
 
 A peer has *gone silent* when
-- it runs on this machine (same boot and pid namespace) and its process is gone, a
-  zombie, or its pid now belongs to a newer process: known at the next poll;
-- or its heartbeat has not changed for `SILENCE_S` since it was first seen: a process
-  killed on another node, a node lost, a process stopped (SIGSTOP);
-- or it has not beaten at all `STARTUP_S` after the judge started (its clock starts at its
-  first beat: ranks that reach their loop at different times are not silent).
-The three limits are a run's options (`Liveness`), the same on every rank.
-A peer has *stopped making progress* when this rank's collective timed out and the peer
-is alive (its heartbeat goes on) but no collective of its own failed: it never joined.
-A rank that finished its run says so in its last heartbeat (DONE) before it exits: the
-ranks still finishing do not take its end for silence.
+- its last beat says GONE: its helper saw its process end without saying it was done
+  (killed, e.g. by the OOM killer): known within a poll, on any machine;
+- or its heartbeat has not changed for the silence limit since it was first seen: a
+  process killed with its helper, a node lost, a process stopped (SIGSTOP). A rank's clock
+  starts at its first beat, written as it joins the group: ranks that reach their loop at
+  different times are not silent.
+A peer has *stopped making progress* when a rank's collective timed out and the peer is
+alive (its heartbeat goes on) but no collective of its own failed: it never joined. A peer
+with no beat at all by then *never arrived* (a group whose ranks do not wait for each other
+as it forms: NCCL's, formed lazily). A rank that finished its run says so in its last
+heartbeat (DONE) before it exits: the ranks still finishing do not take its end for silence.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import socket
 import struct
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch.distributed as dist
 
-from ddp_amp.distributed.store_wire import WireClient
+from ddp_amp.distributed.store_keys import DONE, GONE, RUNNING, TIMED_OUT
 from ddp_amp.errors import UsageError
 
 # A heartbeat unchanged this long means its process is gone. Well above any pause of a
-# live process's watch thread (it needs the GIL for a moment every poll), well under the
-# 30 s a launcher waits between its SIGTERM and its SIGKILL.
+# live process's helper, well under the 30 s a launcher waits between its SIGTERM and its
+# SIGKILL.
 SILENCE_S = 10.0
 POLL_S = 0.5
-# A rank that never beat this long after the judge started is named: each rank's helper
-# starts as the group forms, so only a rank that died before, or cannot start a process, is.
-STARTUP_S = 60.0
-BEAT_KEY = "ddp_amp/beat/"
-# TIMED_OUT: its collective timed out; FAILED: its collective failed as a peer's connection ended.
-RUNNING, FAILED, TIMED_OUT, DONE = "r", "f", "t", "d"
-BATCH = 100  # beats per multi_get: the libuv server re-parses a pending request per 4 KB read
+# The store's budget of beats a second, whatever the world size: measured at about 12 us of
+# the store thread per beat on a loaded 2-core machine (docs/benchmarks.md), 4,096 beats a
+# second are 5% of a core.
+BEATS_PER_S = 4096.0
 _PREFIXES: dict[int, str] = {}  # id of a PrefixStore made by group.py -> its prefix
+_RUNNING_BYTE = ord(RUNNING)
 
 # Words of a collective that failed because a peer's connection ended, or timed out
 # (gloo: "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer", "Connection reset
@@ -63,11 +65,10 @@ _TIMEOUT_WORDS = ("timed out", "timeout")
 @dataclass(frozen=True)
 class Liveness:
     """How often each rank beats and how long a peer may be silent: the defaults are above;
-    `--peer-poll`, `--peer-silence` and `--peer-startup` set them for a run."""
+    `--peer-poll` and `--peer-silence` set them for a run."""
 
     poll_s: float = POLL_S
     silence_s: float = SILENCE_S
-    startup_s: float = STARTUP_S
 
     def check(self) -> None:
         """One line where the silence limit does not span several polls: a beat or two late
@@ -76,9 +77,15 @@ class Liveness:
             raise UsageError("--peer-silence", self.silence_s,
                              f"at least 4 polls ({4 * self.poll_s:g} s at --peer-poll {self.poll_s:g})",
                              "raise --peer-silence or lower --peer-poll")
-        if self.startup_s < self.silence_s:
-            raise UsageError("--peer-startup", self.startup_s,
-                             f"at least --peer-silence ({self.silence_s:g} s)", "raise --peer-startup")
+
+    def beat_s(self, world_size: int) -> float:
+        """Seconds between two beats of a rank in a world of `world_size`: the poll, or longer
+        where the world would send the store more than BEATS_PER_S beats a second."""
+        return max(self.poll_s, world_size / BEATS_PER_S)
+
+    def silence_for(self, world_size: int) -> float:
+        """The silence limit in a world of `world_size`: at least four beat periods."""
+        return max(self.silence_s, 4 * self.beat_s(world_size))
 
 
 class Progress:
@@ -117,65 +124,9 @@ class Progress:
 
 
 def write_step(page: memoryview, step: int | None) -> None:
-    """The step as the helper reads it (heartbeat.py's `_read_step`): int64, -1 for none."""
+    """The step as the helper reads it (heartbeat.py's `read_step`): int64, -1 for none."""
     struct.pack_into("<q", page, 0, -1 if step is None else step)
 
-
-@dataclass(frozen=True)
-class Beat:
-    """One heartbeat: `count` changes every poll; the rest says where the rank is."""
-
-    count: int
-    step: int | None
-    state: str  # RUNNING, FAILED (its last collective failed: a peer lost, a timeout) or DONE
-    pid: int
-    started: str  # the process's start time, in clock ticks since boot ("" where unknown)
-    machine: str  # boot id and pid namespace: pids compare only within one ("" where unknown)
-
-    def encode(self) -> str:
-        step = "-" if self.step is None else str(self.step)
-        return f"{self.count} {step} {self.state} {self.pid} {self.started or '-'} {self.machine or '-'}"
-
-    @staticmethod
-    def decode(raw: bytes) -> Beat | None:
-        parts = raw.decode(errors="replace").split(" ")
-        if len(parts) != 6:
-            return None
-        count, step, state, pid, started, machine = parts
-        return Beat(int(count), None if step == "-" else int(step), state, int(pid),
-                    "" if started == "-" else started, "" if machine == "-" else machine)
-
-
-def _stat_fields(pid: int | str) -> list[str] | None:
-    """/proc/PID/stat after the command name: [state, ppid, ...]; None where unreadable."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def this_machine() -> str:
-    """Boot id and pid namespace of this process: equal for processes whose pids compare."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return ""
-
-
-def identity(machine: str) -> str:
-    """'pid started machine' of this process, as its beats carry them (Beat's last fields)."""
-    fields = _stat_fields("self")
-    return f"{os.getpid()} {(fields[19] if fields else '') or '-'} {machine or '-'}"
-
-
-def process_gone(beat: Beat, machine: str) -> bool:
-    """True where `beat`'s process ran on this machine and no longer runs (exited, a zombie,
-    or its pid reused); False where it runs or cannot be told from here."""
-    if not machine or beat.machine != machine or not beat.started:
-        return False
-    fields = _stat_fields(beat.pid)
-    return fields is None or fields[0] in ("Z", "X") or fields[19] != beat.started
 
 
 def remember_prefix(store: dist.PrefixStore, prefix: str) -> None:
@@ -206,7 +157,7 @@ def _find_prefix(store: dist.PrefixStore, base: dist.TCPStore) -> str | None:
     """The prefix of a PrefixStore someone else made (a group a user's script formed with
     `init_process_group`): a probe key written through it, found among the store's keys.
     Once per rank and process group, and only for a group ddp_amp did not form."""
-    probe = f"ddp_amp/route-probe/{this_machine()}/{os.getpid()}"
+    probe = f"ddp_amp/route-probe/{socket.gethostname()}/{os.getpid()}"
     try:
         store.set(probe, "")
         keys = [key for key in base.list_keys() if key.endswith(probe)]
@@ -220,62 +171,77 @@ def _find_prefix(store: dist.PrefixStore, base: dist.TCPStore) -> str | None:
     return prefix
 
 
-def read_beats(client: WireClient, ranks: list[int], batch: int = BATCH) -> dict[int, Beat]:
-    """The heartbeats of `ranks` written so far (a rank not yet started has none), in
-    requests of `batch` keys: a cost linear in the number of ranks, on the judge alone."""
-    beats: dict[int, Beat] = {}
-    for start in range(0, len(ranks), batch):
-        chunk = ranks[start:start + batch]
-        for rank, raw in zip(chunk, client.multi_get([f"{BEAT_KEY}{rank}" for rank in chunk])):
-            beat = Beat.decode(raw) if raw else None
-            if beat is not None:
-                beats[rank] = beat
-    return beats
-
 
 class PeerTracker:
-    """Every rank's heartbeat as a judge saw it, and since when each has not changed."""
+    """Every rank's heartbeat as a judge last read it, and since when each has not changed.
 
-    def __init__(self, rank: int, world_size: int, now: float, silence_s: float = SILENCE_S,
-                 startup_s: float = STARTUP_S) -> None:
-        self.ranks = list(range(world_size))
-        self.peers = [r for r in self.ranks if r != rank]
-        self.silence_s, self.startup_s, self.started = silence_s, startup_s, now
-        self.machine = this_machine()
-        self.beats: dict[int, Beat] = {}
-        self.changed: dict[int, float] = {}  # a rank's silence clock starts at its first beat
+    Beats are compared as bytes, never decoded on the way: at 16,384 ranks a judge's poll is
+    one comparison per rank (a few ms of CPU); a beat whose state is not RUNNING is noted,
+    and steps are read only for the line that names a rank.
+    """
+
+    def __init__(self, rank: int, world_size: int, silence_s: float = SILENCE_S) -> None:
+        self.rank, self.ranks, self.silence_s = rank, range(world_size), silence_s
+        self.beats: list[bytes] = [b""] * world_size
+        self.changed: list[float] = [math.inf] * world_size  # inf: no beat yet (its clock starts at its first)
+        self.unusual: dict[int, str] = {}  # ranks whose last beat's state is not RUNNING
         self.timed_out_since: float | None = None  # when a rank first said its collective timed out
 
-    def update(self, beats: dict[int, Beat], now: float) -> None:
-        for rank, beat in beats.items():
-            if self.beats.get(rank) != beat:
-                self.beats[rank], self.changed[rank] = beat, now
-            if beat.state == TIMED_OUT and self.timed_out_since is None:
-                self.timed_out_since = now
+    def update(self, beats: list[bytes], now: float, ranks: Iterable[int] | None = None) -> None:
+        """Note `beats` (of `ranks`, every rank where None) as read at `now`; b"": none yet."""
+        known, changed, unusual = self.beats, self.changed, self.unusual
+        for rank, value in zip(self.ranks if ranks is None else ranks, beats):
+            if value != known[rank] and value:
+                known[rank], changed[rank] = value, now
+                if value[-1] != _RUNNING_BYTE or rank in unusual:
+                    self._note(rank, value[-1:].decode(errors="replace"), now)
+
+    def _note(self, rank: int, state: str, now: float) -> None:
+        if state == RUNNING:
+            del self.unusual[rank]
+            return
+        self.unusual[rank] = state
+        if state == TIMED_OUT and self.timed_out_since is None:
+            self.timed_out_since = now
 
     def gone(self, now: float) -> list[int]:
-        """The peers whose process ended (this machine) or whose heartbeat stopped, unless
-        they said they were done (a rank that finished its run exits before the others)."""
-        return [r for r in self.peers if self._state(r) != DONE and (
-            (r not in self.changed and now - self.started > self.startup_s)
-            or (r in self.changed and now - self.changed[r] > self.silence_s)
-            or (r in self.beats and process_gone(self.beats[r], self.machine)))]
+        """The peers whose process ended without a word (GONE) or whose heartbeat stopped,
+        unless they said they were done (a rank that finished its run exits before the others)."""
+        deadline = now - self.silence_s
+        quiet = {r for r, at in enumerate(self.changed) if at < deadline and self.unusual.get(r) != DONE}
+        quiet.update(r for r, state in self.unusual.items() if state == GONE)
+        quiet.discard(self.rank)
+        return sorted(quiet)
+
+    def _settled(self, now: float, settle_s: float) -> bool:
+        return self.timed_out_since is not None and now - self.timed_out_since >= settle_s
 
     def not_joined(self, now: float, settle_s: float) -> list[int]:
         """Once a rank's collective timed out `settle_s` ago: the live ranks still running
         whose collectives did not fail. They never joined the one that timed out."""
-        if self.timed_out_since is None or now - self.timed_out_since < settle_s:
+        if not self._settled(now, settle_s):
             return []
         gone = set(self.gone(now))
-        return [r for r in self.ranks if r not in gone and self._state(r) == RUNNING]
+        return [r for r in self.ranks if r not in gone and r not in self.unusual and self.changed[r] < math.inf]
 
-    def _state(self, rank: int) -> str | None:
-        beat = self.beats.get(rank)
-        return beat.state if beat is not None else None
+    def never_arrived(self, now: float, settle_s: float) -> list[int]:
+        """Once a rank's collective timed out `settle_s` ago: the peers that never beat."""
+        if not self._settled(now, settle_s):
+            return []
+        return [r for r in self.ranks if self.changed[r] == math.inf and r != self.rank]
 
     def step(self, rank: int) -> int | None:
-        beat = self.beats.get(rank)
-        return beat.step if beat is not None else None
+        """The last step `rank`'s last beat carried (None: none yet, or no beat)."""
+        parts = self.beats[rank].split(b" ")
+        return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+
+    def since(self, ranks: list[int], now: float) -> float:
+        """When the evidence against `ranks` began (their last change, or the timeout), in
+        seconds since the epoch."""
+        began = min((self.changed[r] for r in ranks if self.changed[r] < math.inf), default=now)
+        if self.timed_out_since is not None:
+            began = min(began, self.timed_out_since)
+        return time.time() - (now - began)
 
 
 def collective_failure(error: BaseException) -> str | None:
@@ -321,11 +287,14 @@ def steps_of(ranks: Iterable[int], steps: dict[int, int | None]) -> str:
                                 for step, group in sorted(by_step.items(), reverse=True))
 
 
-def silent_line(gone: list[int], stalled: list[int], steps: dict[int, int | None]) -> str:
+def silent_line(gone: list[int], stalled: list[int], steps: dict[int, int | None],
+                absent: list[int] | None = None) -> str:
     """The one line that names the silent ranks, the last step of every rank, and the causes.
 
-    `steps`: every rank's last step as this rank knows it (a peer's as of its last heartbeat).
+    `steps`: every rank's last step as this rank knows it (a peer's as of its last heartbeat);
+    `absent`: ranks that never beat (named only once a collective timed out).
     """
+    absent = absent or []
     parts = []
     if gone:
         parts.append(f"{rank_list(gone)} went silent (last heard at {steps_of(gone, steps)}): "
@@ -335,7 +304,10 @@ def silent_line(gone: list[int], stalled: list[int], steps: dict[int, int | None
         parts.append(f"{rank_list(stalled)} made no progress since {steps_of(stalled, steps)}: alive, but never "
                      "joined the collective that timed out (--dist-timeout) on the others (a hang in its own "
                      "code or I/O: data loading, a file system, a deadlock)")
-    others = [rank for rank in steps if rank not in gone and rank not in stalled]
+    if absent:
+        parts.append(f"{rank_list(absent)} never arrived: no heartbeat since the group formed (its process did not "
+                     "start, or ended before it joined: see its own output)")
+    others = [rank for rank in steps if rank not in gone and rank not in stalled and rank not in absent]
     if others:
         parts.append(f"the other ranks reached {steps_of(others, steps)}")
     return "ddp_amp: " + "; ".join(parts)

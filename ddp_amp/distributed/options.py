@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddp_amp.distributed.liveness import POLL_S, SILENCE_S, STARTUP_S, Liveness
+from ddp_amp.distributed.liveness import BEATS_PER_S, POLL_S, SILENCE_S, Liveness
 from ddp_amp.option_values import TEN_YEARS_S, ComponentOptions, check_fields, option
 
 
@@ -21,16 +21,16 @@ class DistOptions(ComponentOptions):
     dist_timeout: float = option(600.0, "seconds a collective may wait for a peer before the "
                                  "job fails instead of hanging", limits=(1e-3, TEN_YEARS_S))
 
-    peer_poll: float = option(POLL_S, "seconds between two heartbeats of a rank (each rank's helper process "
-                              "beats and reads the job's verdict: two store requests, whatever the world size)",
-                              limits=(0.05, 60.0))
+    peer_poll: float = option(POLL_S, "seconds between two heartbeats of a rank (one store request each, "
+                              "sent by the rank's helper process); above "
+                              f"{BEATS_PER_S * POLL_S:,.0f} ranks at the default each rank beats every "
+                              f"world size / {BEATS_PER_S:,.0f} s, so the store gets at most {BEATS_PER_S:,.0f} "
+                              "beats a second", limits=(0.05, 60.0))
     peer_silence: float = option(SILENCE_S, "seconds a rank's heartbeat may stay unchanged before the job "
-                                 "names it silent (killed, stopped, its node lost) and ends; at least 4 polls",
+                                 "names it silent (killed, stopped, its node lost) and ends; at least 4 polls, "
+                                 "and at least 4 beats where they are widened (16 s at 16,384 ranks); a rank's "
+                                 "clock starts at its first beat, written as it joins the group",
                                  limits=(0.2, 3600.0))
-    peer_startup: float = option(STARTUP_S, "seconds after the group forms within which every rank's first "
-                                 "heartbeat must arrive; a rank's silence clock starts at its first beat, so "
-                                 "ranks that load their data for different times are not silent",
-                                 limits=(1.0, TEN_YEARS_S))
 
     def check(self) -> None:
         """Choices and ranges."""
@@ -39,4 +39,4 @@ class DistOptions(ComponentOptions):
 
     def liveness(self) -> Liveness:
         """The watch's limits (liveness.py)."""
-        return Liveness(self.peer_poll, self.peer_silence, self.peer_startup)
+        return Liveness(self.peer_poll, self.peer_silence)

@@ -4,17 +4,19 @@ Every poll (`--watch-poll`, 0.5 s), the thread
 1. checks the launcher (launcher.py): once this worker's launcher is gone, it stops with
    one line: where it stopped and the last committed checkpoint (`--resume auto` goes on
    from there); the run lock goes with the process;
-2. tells the rank's heartbeat helper (heartbeat.py) its state, and reads its news:
-   another rank's failure (failure.py) ends this process quietly; a store that refuses
-   connections while its host had not finished ends it with one line (a store hosted by
-   rank 0 under plain srun goes with rank 0: the others must not be stranded);
-3. on a judge (ranks 0 and 1), reads every rank's beat in batches: a rank gone silent (its
-   process ended without an error of its own, or its heartbeat stopped), or, once a rank's
-   collective timed out, a live rank that never joined it, is named in one line for the
-   job, and the failure published ends every rank.
-Per rank and poll that is two store requests of constant size, made by the helper; the
-judges' reads grow linearly with the number of ranks. Two judges: one stopped, or hung with
-the GIL held, does not leave the job unwatched.
+2. tells the rank's heartbeat helper (heartbeat.py, through heart.py) its state, and reads
+   its news: another rank's failure (failure.py) ends this process quietly; a store that
+   refuses connections while its host had not finished ends it with one line (a store
+   hosted by rank 0 under plain srun goes with rank 0: the others must not be stranded);
+3. on a judge (ranks 0 and 1), every beat period, reads every rank's beat in batches: a
+   rank gone silent (its process ended without an error of its own, or its heartbeat
+   stopped), or, once a rank's collective timed out, a live rank that never joined it (or
+   one that never arrived), is named in one line for the job, and the failure published
+   ends every rank; the named rank's own helper ends it, so a launcher reports it as the
+   root cause.
+The store's work per rank is one beat per beat period (liveness.py) and the judges' reads,
+which grow linearly with the number of ranks (a few ms of a judge's CPU per read at 16,384
+ranks). Two judges: one stopped, or hung with the GIL held, does not leave the job unwatched.
 
 The training loop only sets `Progress.step`; the main thread calls `explain` when one of
 its collectives failed, so that the line names the silent rank instead of gloo's text.
@@ -38,12 +40,13 @@ import traceback
 
 import torch.distributed as dist
 
-from ddp_amp.distributed.failure import EXIT_PEER_FAILED, FAILURE_KEY
-from ddp_amp.distributed.heartbeat import Heart
+from ddp_amp.distributed.failure import EXIT_PEER_FAILED
+from ddp_amp.distributed.heart import Heart
 from ddp_amp.distributed.launcher import LauncherCheck
-from ddp_amp.distributed.liveness import (BEAT_KEY, DONE, FAILED, POLL_S, RUNNING, SILENCE_S, STARTUP_S, TIMED_OUT,
-                                          PeerTracker, Progress, collective_failure, identity, read_beats,
-                                          silent_line, store_route, this_machine)
+from ddp_amp.distributed.liveness import (POLL_S, SILENCE_S, Liveness, PeerTracker, Progress, collective_failure,
+                                          silent_line, store_route)
+from ddp_amp.distributed.store_keys import (BEAT_KEY, DONE, FAILED, FAILURE_KEY, GONE, RUNNING, TIMED_OUT,
+                                            announce, beat, failure_value)
 from ddp_amp.distributed.store_wire import WireClient
 from ddp_amp.env import DistEnv
 
@@ -58,18 +61,25 @@ class PeerWatch:
     """A daemon thread watching the launcher and the peers; see the module docstring."""
 
     def __init__(self, store: dist.Store | None, env: DistEnv, progress: Progress | None = None,
-                 interval_s: float = POLL_S, silence_s: float = SILENCE_S, startup_s: float = STARTUP_S) -> None:
+                 interval_s: float = POLL_S, silence_s: float = SILENCE_S) -> None:
         self.store = store if env.world_size > 1 else None
         self.env = env
         self.rank, self.local_rank, self.world_size = env.rank, env.local_rank, env.world_size
         self.progress = progress if progress is not None else Progress()
-        self.interval_s, self.silence_s = interval_s, silence_s
+        self.liveness = Liveness(interval_s, silence_s)
+        self.interval_s = interval_s
+        self.beat_s = self.liveness.beat_s(self.world_size)  # also the judges' period
+        self.silence_s = self.liveness.silence_for(self.world_size)
         self.launcher = LauncherCheck(env, self.store)
         self.route = store_route(self.store)
         self.judge = self.rank in JUDGES and self.route is not None
-        self.tracker = PeerTracker(self.rank, self.world_size, time.monotonic(), silence_s, startup_s)
+        self.tracker = PeerTracker(self.rank, self.world_size, self.silence_s)
+        self.judge_cpu_s = 0.0  # the CPU this rank spent judging (the scale benchmark reports it)
+        self._next_judge = 0.0
         self.heart: Heart | None = None
+        self._told = ""  # the state the helper was last told
         self._wire: WireClient | None = None  # the judge's connection; None while not answering
+        self._beat_reads: list[tuple[bytes, int]] = []  # the judge's requests for every beat
         self._failed: tuple[str, float] | None = None  # this rank's collective failed: kind, when
         self._host_done = False
         self._store_lost = False
@@ -83,7 +93,7 @@ class PeerWatch:
         if self.store is None and self.launcher.parent_pid is None:
             return self  # a single process of its own: nothing to watch
         if self.route is not None:
-            self.heart = start_heart(self.store, self.env, self.interval_s, self.progress)
+            self.heart = start_heart(self.store, self.env, self.liveness, self.progress)
         self._thread = threading.Thread(target=self._watch, name="ddp_amp-peer-watch", daemon=True)
         self._thread.start()
         _RUNNING.add(self)
@@ -96,7 +106,7 @@ class PeerWatch:
         _RUNNING.discard(self)
         if self._thread is None:
             return
-        self._stopping, self.heart = True, None  # its helper is not started again once stopped
+        self._stopping, self.heart = True, None  # no more states told, no news read
         self._wake.set()
         self._thread.join()
         self._thread = None
@@ -123,7 +133,7 @@ class PeerWatch:
             traceback.print_exception(error, file=sys.stderr)
         self._failed = (kind, time.monotonic())
         self._wake.set()
-        self._gave_up.wait(self.silence_s + SETTLE_S + 6 * self.interval_s)
+        self._gave_up.wait(self.silence_s + SETTLE_S + 2 * self.beat_s + 6 * self.interval_s)
 
     # -- the thread ---------------------------------------------------------------------
 
@@ -139,14 +149,21 @@ class PeerWatch:
         heart = self.heart
         if heart is None:
             return
-        if not self._store_lost:
-            heart.ensure_running()
-        heart.tell(self._state())
+        state = self._state()
+        if state != self._told:
+            heart.tell(state)
+            self._told = state
         for news in heart.news():
             self._hear(news)
-        if self.judge and not self._store_lost:
-            self._judge(now)
-        if self._failed is not None and now - self._failed[1] > self.silence_s + SETTLE_S + 4 * self.interval_s:
+        if self.judge and not self._store_lost and now >= self._next_judge:
+            self._next_judge = now + self.beat_s
+            started = time.thread_time()
+            try:
+                self._judge(now)
+            finally:
+                self.judge_cpu_s += time.thread_time() - started
+        if self._failed is not None and \
+                now - self._failed[1] > self.silence_s + SETTLE_S + 2 * self.beat_s + 4 * self.interval_s:
             self._gave_up.set()  # no peer is silent: the error is the main thread's to report
 
     def _state(self) -> str:
@@ -178,27 +195,33 @@ class PeerWatch:
             try:
                 host, port, prefix = self.route  # type: ignore[misc]  # judge implies a route
                 self._wire = WireClient(host, port, prefix)
+                self._beat_reads = self._wire.batched_requests([f"{BEAT_KEY}{r}" for r in self.tracker.ranks])
             except OSError:
+                self._wire = None
                 return
         try:
-            self.tracker.update(read_beats(self._wire, self.tracker.ranks), now)
+            self.tracker.update(self._wire.read_batched(self._beat_reads), now)
             gone = self.tracker.gone(now)
             if gone:  # read again after seeing them gone: one that finished said so before it exited
-                self.tracker.update(read_beats(self._wire, gone), now)
+                keys = [f"{BEAT_KEY}{r}" for r in gone]
+                self.tracker.update(self._wire.read_batched(self._wire.batched_requests(keys)), now, gone)
                 gone = self.tracker.gone(now)
             stalled = [r for r in self.tracker.not_joined(now, SETTLE_S) if r not in gone]
-            if not gone and not stalled:
+            absent = self.tracker.never_arrived(now, SETTLE_S)
+            named = gone + stalled + absent
+            if not named:
                 return
-            line = silent_line(gone, stalled, self._steps())
-            value = json.dumps({"rank": self.rank, "message": line}).encode()
+            line = silent_line(gone, stalled, self._steps(), absent)
+            value = failure_value(self.rank, line, named, self.tracker.since(named, now))
             claimed = self._wire.compare_set(FAILURE_KEY, b"", value) == value
         except OSError:  # the store is busy or gone: the helper tells which
             self._wire = None
             return
-        if claimed:  # of the judges that see it, one prints
+        if claimed:  # of the judges that see it, one prints; then every rank hears of it
             _say(line)
-            if gone:  # let the launcher see the dead rank end first: it is the root cause
-                time.sleep(LAUNCHER_SEES_S)
+            with contextlib.suppress(OSError):
+                announce(self._wire)
+            time.sleep(LAUNCHER_SEES_S)  # the named rank's helper ends it first: the launcher's root cause
         _exit()
 
     def _store_host_gone(self) -> None:
@@ -222,7 +245,7 @@ class PeerWatch:
         _exit()
 
     def _steps(self) -> dict[int, int | None]:
-        return {**{rank: self.tracker.step(rank) for rank in self.tracker.peers}, self.rank: self.progress.step}
+        return {**{rank: self.tracker.step(rank) for rank in self.tracker.ranks}, self.rank: self.progress.step}
 
 
 _RUNNING: set[PeerWatch] = set()  # the watches this process started and has not stopped
@@ -230,24 +253,24 @@ _HEARTS: dict[int, Heart] = {}  # this process's heartbeat helper, by rank
 _FOLLOWERS: dict[int, Progress] = {}  # the Progress whose step each helper's page holds, by rank
 
 
-def start_heart(store: dist.Store | None, env: DistEnv, interval_s: float = POLL_S,
+def start_heart(store: dist.Store | None, env: DistEnv, liveness: Liveness | None = None,
                 progress: Progress | None = None) -> Heart | None:
     """Start this rank's heartbeat helper (as the group forms: a rank's silence clock starts
-    at its first beat), or return the one running at this interval; from now on `progress`'s
+    at its first beat), or return the one running at these limits; from now on `progress`'s
     step is the one its beats carry."""
     route = store_route(store) if env.world_size > 1 else None
     if route is None:
         return None
+    limits = liveness if liveness is not None else Liveness()
+    beat_s = limits.beat_s(env.world_size)
     heart = _HEARTS.get(env.rank)
-    if heart is None or heart.interval_s != interval_s:
+    if heart is None or (heart.poll_s, heart.beat_s) != (limits.poll_s, beat_s):
         if heart is not None:
-            stop_heart(env.rank, done=False)
-        host, port, prefix = route
+            _end_heart(env.rank, None)  # without a last word: the new helper takes over
         is_host = env.rank == 0 and not env.agent_hosts_store
-        who = identity(this_machine())
         if store is not None and heart is None:  # the first beat now: a rank that ends before its
-            store.set(f"{BEAT_KEY}{env.rank}", f"0 - {RUNNING} {who}")  # helper runs is still known
-        heart = _HEARTS[env.rank] = Heart((host, port), prefix, env.rank, interval_s, is_host, who)
+            store.set(f"{BEAT_KEY}{env.rank}", beat("0", "-", RUNNING).decode())  # its helper runs is known
+        heart = _HEARTS[env.rank] = Heart(route, env.rank, beat_s, limits.poll_s, is_host)
     if progress is not None and _FOLLOWERS.get(env.rank) is not progress:
         previous = _FOLLOWERS.get(env.rank)
         if previous is not None:
@@ -258,13 +281,19 @@ def start_heart(store: dist.Store | None, env: DistEnv, interval_s: float = POLL
 
 
 def stop_heart(rank: int, done: bool) -> None:
-    """End `rank`'s helper: with `done`, after a last beat that says so."""
+    """End `rank`'s helper after a last beat that says the rank is done, or, without `done`,
+    that it ended without saying so (it failed: its peers name it at once, unless its own
+    error was published first)."""
+    _end_heart(rank, DONE if done else GONE)
+
+
+def _end_heart(rank: int, state: str | None) -> None:
     heart = _HEARTS.pop(rank, None)
     follower = _FOLLOWERS.pop(rank, None)
     if follower is not None:
         follower.mirror_to(None)  # before the page is unmapped
     if heart is not None:
-        heart.stop(DONE if done else None)
+        heart.stop(state)
 
 
 def stop_watches(finished: bool = True) -> None:
