@@ -181,3 +181,63 @@ def test_a_sharded_build_holds_its_rows_and_never_a_parameter_in_full() -> None:
     # 4 MiB piece are all (1.13 x).
     (growth,) = run_ranks(_build_peak, 1)
     assert growth < 1.3, growth
+
+
+class BuildsOtherwiseOnMeta(nn.Module):
+    """A model whose construction depends on where it is built: the meta pass's plan cannot hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        wide = torch.empty(0).is_meta
+        self.a, self.b = nn.Linear(6, 8 if wide else 4), nn.Linear(4, 4)
+
+
+UNLOADED = ("model.norm.weight", "model.layers.1.mlp.up_proj.weight")
+SKIP_CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[list[str]], list[str]]]] = {
+    "all": (_llama, lambda names: names),  # every parameter loaded: nothing drawn
+    "some": (_llama, lambda names: [n for n in names if n not in UNLOADED]),
+    "diverged": (BuildsOtherwiseOnMeta, lambda names: names),  # the plan does not hold: everything drawn
+}
+
+
+def _skips(ctx: DistContext) -> dict[str, Any]:
+    """Collective: each case built with its `overwritten` names; what was drawn, and the stream after."""
+    found: dict[str, Any] = {}
+    with Session("fp32", "cpu", "gloo", environ=os.environ, shard=ShardOptions()) as session:
+        for case, (factory, chosen) in SKIP_CASES.items():
+            torch.manual_seed(3)
+            plain = factory()
+            plain_stream = torch.get_rng_state()
+            parameters = [name for name, _ in plain.named_parameters(remove_duplicate=False)]  # a tied one's both
+            overwritten = chosen(parameters)
+            start = torch.manual_seed(3).get_state()
+            model = session.unwrap(session.setup(session.build_model(factory, overwritten)))
+            stream = torch.get_rng_state()
+            state = {name: value.full_tensor() if isinstance(value, DTensor) else value
+                     for name, value in model.state_dict().items()}
+            expected = plain.state_dict()
+            found[case] = {
+                "zero": sorted(name for name in parameters if not state[name].any()),
+                "as_plain": sorted(name for name in expected if torch.equal(state[name], expected[name])),
+                "names": sorted(expected), "overwritten": sorted(overwritten),
+                "stream_untouched": torch.equal(stream, start), "stream_as_plain": torch.equal(stream, plain_stream),
+                "up_std": float(state["model.layers.1.mlp.up_proj.weight"].std()) if case == "some" else 0.0}
+    with Session("fp32", "cpu", "gloo", environ=os.environ, shard=ShardOptions(replicate=2)) as session:
+        found["described"] = session.describe(session.setup(session.build_model(_llama)))
+    return found
+
+
+def test_a_sharded_build_draws_no_init_for_what_the_load_fills_and_the_rest_as_its_init_says() -> None:
+    rank_zero, rank_one = run_ranks(_skips, 2, timeout=300)
+    assert rank_zero == rank_one
+    every = rank_zero["all"]
+    buffers = [name for name in every["names"] if name not in every["overwritten"]]  # the rotary frequencies
+    assert every["stream_untouched"] and every["zero"] == every["overwritten"] and every["as_plain"] == buffers
+    some = rank_zero["some"]
+    # The two names not loaded are initialised, from the stream as the skipped draws left it.
+    assert some["zero"] == some["overwritten"] and "model.norm.weight" in some["as_plain"]
+    assert 0.015 < some["up_std"] < 0.025 and not some["stream_untouched"]  # Llama's init: normal, std 0.02
+    diverged = rank_zero["diverged"]
+    assert diverged["as_plain"] == diverged["names"] and diverged["stream_as_plain"] and diverged["zero"] == []
+    # Two replicas of one rank each: the start line says so.
+    assert rank_zero["described"].startswith("sharded over 1 rank, replicated 2 times: 2 x LlamaDecoderLayer")

@@ -17,6 +17,7 @@ Imports `amp`, `distributed` and `errors` from ddp_amp; the session builds on it
 from ddp_amp.parallel.ddp import CommHook, comm_hook, release_ddp, wrap_ddp
 from ddp_amp.parallel.fsdp import (Units, default_units, describe_units, fused_kernel_takes, shard_model,
                                    shard_units)
+from ddp_amp.parallel.init_skip import meta_model
 from ddp_amp.parallel.meta_init import build_sharded, is_built_sharded
 from ddp_amp.parallel.parallelize import Parallelized, parallelize
 from ddp_amp.parallel.plan import ParallelPlan, ShardOptions
@@ -24,6 +25,6 @@ from ddp_amp.parallel.shard_rows import ShardSlot, shard_slot
 
 __all__ = [
     "CommHook", "ParallelPlan", "Parallelized", "ShardOptions", "ShardSlot", "Units", "build_sharded", "comm_hook",
-    "default_units", "describe_units", "fused_kernel_takes", "is_built_sharded", "parallelize", "release_ddp",
-    "shard_model", "shard_slot", "shard_units", "wrap_ddp",
+    "default_units", "describe_units", "fused_kernel_takes", "is_built_sharded", "meta_model", "parallelize",
+    "release_ddp", "shard_model", "shard_slot", "shard_units", "wrap_ddp",
 ]

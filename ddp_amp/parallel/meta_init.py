@@ -40,8 +40,9 @@ is what it holds, about 1.1 x its share of a 1B Llama (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -51,8 +52,11 @@ from torch.utils._pytree import tree_map
 
 from ddp_amp.errors import UsageError
 from ddp_amp.parallel.host_pages import mapped_copy, mapped_empty
+from ddp_amp.parallel.init_skip import PlanDiverged, skip_plan
 from ddp_amp.parallel.row_draws import FILLS, pieces_exact
 from ddp_amp.parallel.shard_rows import BuildValues, ShardSlot, SlotBuild
+
+log = logging.getLogger(__name__)
 
 # In-place ops that overwrite every element without reading it: they may start on a parameter
 # whose other ranks' rows are gone.
@@ -104,7 +108,7 @@ class _Slice(torch.Tensor):
         if target is not None and not _in_full(target) and _returns_alias(func):
             shape = _result_shape(func, args, kwargs)
             return _Slice(shape, target.dtype, BuildValues(target.held.build, target.held.rows, target.held.label,
-                                                       part=True))
+                                                           part=True, skipped=target.held.skipped))
         if name in _LIKE:
             return func(*tree_map(_shape_only, args), **tree_map(_shape_only, kwargs))
         if all(_in_full(a) for a in _flat(args, kwargs)):
@@ -116,6 +120,8 @@ class _Slice(torch.Tensor):
 
     def _write(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Slice:
         values = self.held
+        if values.skipped:
+            return self  # the load that follows overwrites it
         if values.part:
             raise _cannot(values.label, f"{func} writes into a part of it (a row, a column) after other "
                           "parameters were initialised")
@@ -205,11 +211,26 @@ def _cannot(label: str, why: str) -> UsageError:
 _PENDING: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
-def build_sharded(factory: Callable[[], nn.Module], slot: ShardSlot) -> nn.Module:
+def build_sharded(factory: Callable[[], nn.Module], slot: ShardSlot,
+                  overwritten: Collection[str] = frozenset()) -> nn.Module:
     """`factory()` with this rank's rows of each parameter only; see the module's docstring.
+    `overwritten`: names of parameters the caller fills right after (pretrained weights):
+    their init is not drawn, where the build can tell which they are (init_skip.py).
 
     The returned model's parameters are on the meta device until `materialize`, after sharding."""
-    build = SlotBuild(slot)
+    plan = skip_plan(factory, overwritten) if overwritten else None
+    if plan is not None:
+        stream = torch.get_rng_state()
+        try:
+            return _build(factory, SlotBuild(slot, plan), frozenset(overwritten))
+        except (PlanDiverged, UsageError) as error:
+            log.warning("every parameter's init is drawn after all: leaving those --init-weights fills "
+                        "uninitialised did not hold (%s)", error)
+            torch.set_rng_state(stream)
+    return _build(factory, SlotBuild(slot), frozenset())
+
+
+def _build(factory: Callable[[], nn.Module], build: SlotBuild, overwritten: frozenset[str]) -> nn.Module:
     handle = nn.modules.module.register_module_parameter_registration_hook(
         lambda module, name, param: _as_slice(build, module, name, param))  # type: ignore[arg-type]  # a hook may return the parameter to register instead
     try:
@@ -226,27 +247,35 @@ def build_sharded(factory: Callable[[], nn.Module], slot: ShardSlot) -> nn.Modul
     if not isinstance(model, nn.Module):
         raise UsageError("Task.build_model", type(model).__name__, "a function returning a torch.nn.Module",
                          "return the model from build_model")
-    _PENDING[model] = _to_meta(model)
+    _PENDING[model] = _to_meta(model, overwritten)
     return model
 
 
 def _as_slice(build: SlotBuild, module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
     """The parameter-registration hook: a new parameter becomes a `_Slice` of this rank's rows."""
-    if param is None or isinstance(param, _Slice):
-        return None  # no parameter, or one already sliced (a tied weight registered again)
-    if param.is_meta:  # made on the meta device by the model itself: no values yet, as a plain build
+    if param is None:
+        return None
+    index, build.registered = build.registered, build.registered + 1
+    skipped = build.plan is not None and build.plan.skips(index, param.shape)
+    if isinstance(param, _Slice):
+        return None  # one already sliced (a tied weight registered again)
+    if param.is_meta or skipped:  # no values yet (made on the meta device, as a plain build), or none needed
         rows = mapped_empty(build.slot.rows(torch.empty(param.shape, device="meta")).shape, param.dtype)
+        if skipped:
+            rows.zero_()
     else:
         rows = mapped_copy(build.slot.rows(param.detach().to("cpu")))
-    values = BuildValues(build, rows, f"{type(module).__name__}.{name}")
+    values = BuildValues(build, rows, f"{type(module).__name__}.{name}", skipped=skipped)
     return nn.Parameter(_Slice(param.shape, param.dtype, values), requires_grad=param.requires_grad)
 
 
-def _to_meta(model: nn.Module) -> dict[str, torch.Tensor]:
+def _to_meta(model: nn.Module, overwritten: frozenset[str]) -> dict[str, torch.Tensor]:
     """Swap every `_Slice` parameter for a meta one (the same object under each of its names);
-    return the rows by parameter name."""
+    return the rows by parameter name. One left uninitialised must be `overwritten`."""
     rows: dict[str, torch.Tensor] = {}
     swapped: dict[int, nn.Parameter] = {}
+    uncovered: dict[int, str] = {}  # parameters left uninitialised, by identity
+    loaded: set[int] = set()  # those of them the load fills
     for module_name, module in model.named_modules(remove_duplicate=False):
         for name, param in list(module._parameters.items()):
             if param is None:
@@ -258,11 +287,18 @@ def _to_meta(model: nn.Module) -> dict[str, torch.Tensor]:
                 swapped[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
                                                   requires_grad=param.requires_grad)
             module._parameters[name] = swapped[id(param)]
-            rows[f"{module_name}.{name}" if module_name else name] = param.held.rows
+            full_name = f"{module_name}.{name}" if module_name else name
+            if param.held.skipped:
+                uncovered.setdefault(id(param), full_name)
+                loaded.update({id(param)} if full_name in overwritten else set())
+            rows[full_name] = param.held.rows
         for name, buffer in module._buffers.items():
             if buffer is not None and (buffer.is_meta or isinstance(buffer, _Slice)):
                 raise _cannot(f"{type(module).__name__}.{name}", "this buffer was computed from a parameter's "
                               "values, which are not known while building")
+    for identity, name in uncovered.items():
+        if identity not in loaded:  # under none of its names (a tied weight has several)
+            raise PlanDiverged(f"{name} was left uninitialised, and is not loaded")
     return rows
 
 

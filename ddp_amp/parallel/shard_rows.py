@@ -17,6 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ddp_amp.parallel.host_pages import mapped_copy, mapped_empty
+from ddp_amp.parallel.init_skip import SkipPlan
 from ddp_amp.parallel.row_draws import FILLS, PIECE, fill_rows, replay
 
 
@@ -56,9 +57,10 @@ class SlotBuild:
     """One build's state: the one tensor whose init code is running (held in full, or as a
     fill it can replay), and a scratch piece per dtype for fills drawn piece by piece."""
 
-    def __init__(self, slot: ShardSlot) -> None:
-        self.slot = slot
+    def __init__(self, slot: ShardSlot, plan: SkipPlan | None = None) -> None:
+        self.slot, self.plan = slot, plan
         self.current: BuildValues | None = None
+        self.registered = 0  # parameters registered so far (the plan's index)
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
 
     def scratch(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -78,13 +80,16 @@ class BuildValues:
     build's current tensor, the full tensor too, or the fill that made it (`Fill`): its rows
     were drawn piece by piece, and the full tensor is made again only if init code reads it."""
 
-    def __init__(self, build: SlotBuild, rows: torch.Tensor, label: str, part: bool = False) -> None:
+    def __init__(self, build: SlotBuild, rows: torch.Tensor, label: str, part: bool = False,
+                 skipped: bool = False) -> None:
         self.build, self.rows, self.label = build, rows, label
         self.full: torch.Tensor | None = None
         self.fill: Fill | None = None
         # A view of a part of a parameter (a row, a column) no longer held in full: its
         # elements are not this rank's rows, so any write into it is refused.
         self.part = part
+        # Left uninitialised (zeros), writes ignored: a load overwrites it (init_skip.py).
+        self.skipped = skipped
 
     def _become_current(self) -> None:
         if self.build.current is not None and self.build.current is not self:
@@ -136,7 +141,7 @@ class BuildValues:
 
     def copied(self) -> BuildValues:
         source = self.build.slot.rows(self.full) if self.full is not None else self.rows
-        return BuildValues(self.build, mapped_copy(source), self.label)
+        return BuildValues(self.build, mapped_copy(source), self.label, skipped=self.skipped)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ state and optimizer state a checkpoint writes sharded), and what was applied to 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -64,7 +64,7 @@ class SessionModels:
         self._described[made.model] = made.description
         return made.model
 
-    def build(self, factory: Callable[[], nn.Module]) -> nn.Module:
+    def build(self, factory: Callable[[], nn.Module], overwritten: Collection[str] = ()) -> nn.Module:
         """`factory()`, or under sharding each rank's shards of it only (collective; see `Session.build_model`)."""
         if self.shard is None or self.ctx.mesh is None:
             return factory()
@@ -75,7 +75,7 @@ class SessionModels:
             # rank's rows then come from one model. (An object broadcast works on NCCL too.)
             dist.broadcast_object_list(first, src=0)
             torch.set_rng_state(first[0])
-        model = build_sharded(factory, shard_slot(self.ctx.mesh))
+        model = build_sharded(factory, shard_slot(self.ctx.mesh), frozenset(overwritten))
         if not torch.equal(own, first[0]):
             torch.set_rng_state(own)  # ranks seeded apart keep their own streams (dropout, data order)
         return model
