@@ -103,8 +103,8 @@ def _train_in(run_dir: Path, plan: ResumePlan, config: TrainConfig, session: Ses
         elif config.checkpoint_options().init_weights:  # a fresh start from pretrained weights
             start = config.checkpoint_options()
             on_every_rank(lambda: trainer.load_initial_weights(start.init_weights, start.init_weights_strict))
-            if filled and session.sharded:
-                run_log.info(f"the sharded build drew no init for the {len(filled)} parameter names the weights fill")
+            if filled:
+                run_log.info(f"the build drew no init for the {len(filled)} parameter names the weights fill")
         run_log.info(f"task={task.name} world_size={ctx.world_size} device={ctx.device} "
                      f"backend={ctx.backend or 'none'} precision={precision.name} ({precision.reason}) "
                      f"model={trainer.layout} run_dir={run_dir} start: {plan.describe()}")

@@ -147,6 +147,7 @@ def test_without_shard_the_weights_load_whole_and_a_resume_takes_its_checkpoint(
     # lr 1e-30 moves no fp32 weight (each is far above 1e-30 / 2**-24): the run ends where it started.
     first = run_train(_args(pretrained, run_dir, "--max-steps", "1", "--lr", "1e-30"))
     assert first.returncode == 0, first.stderr[-3000:]
+    assert "drew no init for the 21 parameter names" in first.stdout and "drawn after all" not in first.stderr
     assert export_main([str(run_dir), "--to", str(tmp_path / "w.safetensors")]) == 0
     weights = load_file(tmp_path / "w.safetensors")
     assert all(torch.equal(weights[name], value) for name, value in original.state_dict().items())

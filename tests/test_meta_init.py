@@ -224,10 +224,18 @@ def _skips(ctx: DistContext) -> dict[str, Any]:
                 "up_std": float(state["model.layers.1.mlp.up_proj.weight"].std()) if case == "some" else 0.0}
     with Session("fp32", "cpu", "gloo", environ=os.environ, shard=ShardOptions(replicate=2)) as session:
         found["described"] = session.describe(session.setup(session.build_model(_llama)))
+    with Session("fp32", "cpu", "gloo", environ=os.environ) as session:  # built whole, for DDP
+        plain = _llama()
+        start = torch.manual_seed(3).get_state()
+        whole = session.build_model(_llama, [name for name, _ in plain.named_parameters(remove_duplicate=False)])
+        found["whole"] = {"stream_untouched": torch.equal(torch.get_rng_state(), start),
+                          "zero": all(not p.any() for p in whole.parameters()),
+                          "buffers_as_plain": all(torch.equal(a, b) for a, b in zip(whole.buffers(), plain.buffers())),
+                          "tied": whole.lm_head.weight is whole.model.embed_tokens.weight}
     return found
 
 
-def test_a_sharded_build_draws_no_init_for_what_the_load_fills_and_the_rest_as_its_init_says() -> None:
+def test_a_build_draws_no_init_for_what_the_load_fills_and_the_rest_as_its_init_says() -> None:
     rank_zero, rank_one = run_ranks(_skips, 2, timeout=300)
     assert rank_zero == rank_one
     every = rank_zero["all"]
@@ -239,5 +247,6 @@ def test_a_sharded_build_draws_no_init_for_what_the_load_fills_and_the_rest_as_i
     assert 0.015 < some["up_std"] < 0.025 and not some["stream_untouched"]  # Llama's init: normal, std 0.02
     diverged = rank_zero["diverged"]
     assert diverged["as_plain"] == diverged["names"] and diverged["stream_as_plain"] and diverged["zero"] == []
+    assert rank_zero["whole"] == {"stream_untouched": True, "zero": True, "buffers_as_plain": True, "tied": True}
     # Two replicas of one rank each: the start line says so.
     assert rank_zero["described"].startswith("sharded over 1 rank, replicated 2 times: 2 x LlamaDecoderLayer")

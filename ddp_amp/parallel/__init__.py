@@ -18,13 +18,14 @@ from ddp_amp.parallel.ddp import CommHook, comm_hook, release_ddp, wrap_ddp
 from ddp_amp.parallel.fsdp import (Units, default_units, describe_units, fused_kernel_takes, shard_model,
                                    shard_units)
 from ddp_amp.parallel.init_skip import meta_model
-from ddp_amp.parallel.meta_init import build_sharded, is_built_sharded
+from ddp_amp.parallel.meta_init import build_sharded, build_whole, is_built_sharded
 from ddp_amp.parallel.parallelize import Parallelized, parallelize
 from ddp_amp.parallel.plan import ParallelPlan, ShardOptions
 from ddp_amp.parallel.shard_rows import ShardSlot, shard_slot
 
 __all__ = [
-    "CommHook", "ParallelPlan", "Parallelized", "ShardOptions", "ShardSlot", "Units", "build_sharded", "comm_hook",
+    "CommHook", "ParallelPlan", "Parallelized", "ShardOptions", "ShardSlot", "Units", "build_sharded", "build_whole",
+    "comm_hook",
     "default_units", "describe_units", "fused_kernel_takes", "is_built_sharded", "meta_model", "parallelize",
     "release_ddp", "shard_model", "shard_slot", "shard_units", "wrap_ddp",
 ]

@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from ddp_amp.errors import UsageError
-from ddp_amp.parallel.host_pages import mapped_copy, mapped_empty
+from ddp_amp.parallel.host_pages import mapped_copy, mapped_empty, mapped_zeros
 from ddp_amp.parallel.init_skip import PlanDiverged, skip_plan
 from ddp_amp.parallel.row_draws import FILLS, pieces_exact
 from ddp_amp.parallel.shard_rows import BuildValues, ShardSlot, SlotBuild
@@ -230,6 +230,30 @@ def build_sharded(factory: Callable[[], nn.Module], slot: ShardSlot,
     return _build(factory, SlotBuild(slot), frozenset())
 
 
+def build_whole(factory: Callable[[], nn.Module], overwritten: Collection[str] = frozenset()) -> nn.Module:
+    """`factory()`, drawing no init for the `overwritten` parameters where the build can tell
+    which they are: built as the one slot that holds every row, whose rows then become the
+    parameters. Init code a slot cannot replay gets a plain `factory()` instead."""
+    if not overwritten or skip_plan(factory, overwritten) is None:
+        return factory()
+    stream = torch.get_rng_state()
+    try:
+        model = build_sharded(factory, ShardSlot(1, 0), overwritten)
+    except UsageError:
+        torch.set_rng_state(stream)
+        return factory()
+    rows = _PENDING.pop(model)
+    made: dict[int, nn.Parameter] = {}  # a tied weight is one parameter under each of its names
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) not in made:
+                whole = rows[f"{module_name}.{name}" if module_name else name].clone()  # out of its mapping
+                made[id(param)] = nn.Parameter(whole, requires_grad=param.requires_grad)
+            if param is not None:
+                module._parameters[name] = made[id(param)]
+    return model
+
+
 def _build(factory: Callable[[], nn.Module], build: SlotBuild, overwritten: frozenset[str]) -> nn.Module:
     handle = nn.modules.module.register_module_parameter_registration_hook(
         lambda module, name, param: _as_slice(build, module, name, param))  # type: ignore[arg-type]  # a hook may return the parameter to register instead
@@ -259,10 +283,11 @@ def _as_slice(build: SlotBuild, module: nn.Module, name: str, param: nn.Paramete
     skipped = build.plan is not None and build.plan.skips(index, param.shape)
     if isinstance(param, _Slice):
         return None  # one already sliced (a tied weight registered again)
-    if param.is_meta or skipped:  # no values yet (made on the meta device, as a plain build), or none needed
-        rows = mapped_empty(build.slot.rows(torch.empty(param.shape, device="meta")).shape, param.dtype)
-        if skipped:
-            rows.zero_()
+    shape = build.slot.rows(torch.empty(param.shape, device="meta")).shape
+    if skipped:  # none needed: the load fills them
+        rows = mapped_zeros(shape, param.dtype)
+    elif param.is_meta:  # made on the meta device by the model itself: no values yet, as a plain build
+        rows = mapped_empty(shape, param.dtype)
     else:
         rows = mapped_copy(build.slot.rows(param.detach().to("cpu")))
     values = BuildValues(build, rows, f"{type(module).__name__}.{name}", skipped=skipped)

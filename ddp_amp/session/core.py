@@ -244,9 +244,9 @@ class Session(SessionSaving):
                                   cast_outputs_to_fp32=cast_outputs_to_fp32, units=units, ddp_options=ddp_options)
 
     def build_model(self, factory: Callable[[], nn.Module], overwritten: Collection[str] = ()) -> nn.Module:
-        """`factory()` for `setup`; sharding, each rank builds only its shards' rows, equal to a plain
-        build's from rank 0's stream, never the whole model, and draws no init for the `overwritten`
-        names (weights loaded next: `load_weights`) (collective; docs/sharding.md)."""
+        """`factory()` for `setup`, drawing no init for the `overwritten` names (weights loaded next:
+        `load_weights`); sharding, each rank builds only its shards' rows, equal to a plain build's
+        from rank 0's stream, never the whole model (collective; docs/sharding.md)."""
         return self._made().build(factory, overwritten)
 
     def load_weights(self, model: nn.Module, source: str | os.PathLike[str], strict: bool = True) -> LoadedWeights:

@@ -28,8 +28,8 @@ from ddp_amp.amp import AutocastModule, Precision, unwrap_model
 from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.distributed import is_sharded
-from ddp_amp.parallel import (ParallelPlan, ShardOptions, Units, build_sharded, is_built_sharded, parallelize,
-                              release_ddp, shard_slot)
+from ddp_amp.parallel import (ParallelPlan, ShardOptions, Units, build_sharded, build_whole, is_built_sharded,
+                              parallelize, release_ddp, shard_slot)
 from ddp_amp.session.same_start import broadcast_from_rank_zero
 
 # DDP's keywords that are fields of the plan; the rest pass through as `ddp_options`.
@@ -67,7 +67,7 @@ class SessionModels:
     def build(self, factory: Callable[[], nn.Module], overwritten: Collection[str] = ()) -> nn.Module:
         """`factory()`, or under sharding each rank's shards of it only (collective; see `Session.build_model`)."""
         if self.shard is None or self.ctx.mesh is None:
-            return factory()
+            return build_whole(factory, overwritten)
         own = torch.get_rng_state()
         first = [own]
         if self.ctx.world_size > 1:

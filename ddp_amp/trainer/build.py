@@ -71,7 +71,7 @@ def build_trainer(session: Session, config: TrainConfig, run_log: RunLog | None 
     `task` defaults to the config's, made by `prepare_task`; pass it where the caller made
     it earlier (the CLI checks everything before it writes anything). `run_log` defaults to
     a quiet one; without `checkpoint_root` nothing is saved. `overwritten`: parameters the
-    caller loads next, whose init a sharded build does not draw.
+    caller loads next, whose init the build does not draw.
     """
     task = task if task is not None else prepare_task(config, session)
     trainer = Trainer(session, config, task, run_log or QuietRunLog(session.rank), checkpoint_root, overwritten)

@@ -60,8 +60,8 @@ def _called_in_step(model: nn.Module, batch_loss: BatchLoss) -> nn.Module:
 
 def build_task_model(session: Session, config: TrainConfig, task: Task, overwritten: Collection[str] = ()) -> nn.Module:
     """`Task.build_model`'s model, on torch seeded by `--seed` (each rank's streams are left as
-    they were); under --shard each rank builds only its shards of it, drawing no init for
-    the `overwritten` parameters (`Session.build_model`)."""
+    they were), drawing no init for the `overwritten` parameters; under --shard each rank
+    builds only its shards of it (`Session.build_model`)."""
     if task.build_model is None:
         raise UsageError("Task", task.name or "a task", "a model= or a build_model= function",
                          "return ddp_amp.Task(model=...) or Task(build_model=...)")
