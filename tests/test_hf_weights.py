@@ -64,6 +64,11 @@ def test_a_pretrained_llama_round_trips_through_sharded_training_to_from_pretrai
     assert _names(out) == _names(pretrained) and "lm_head.weight" not in _names(out)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert type(loaded).__name__ == "LlamaForCausalLM" and loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    # A sharded run recorded before the fix named FSDP's subclass: the export names the model's own.
+    recorded = tmp_path / "run" / "hf_config.json"
+    recorded.write_text(json.dumps({**json.loads(recorded.read_text()), "architectures": ["FSDPLlamaForCausalLM"]}))
+    assert export_main([str(tmp_path / "run"), "--to", str(tmp_path / "hf-old"), "--hf"]) == 0
+    assert json.loads((tmp_path / "hf-old" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
     # The trained model: the run's final checkpoint in a plain Llama of the run's config.
     assert export_main([str(tmp_path / "run"), "--to", str(tmp_path / "trained.safetensors")]) == 0
