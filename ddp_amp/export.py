@@ -39,9 +39,10 @@ from typing import Any
 
 import torch
 
-from ddp_amp.checkpoint import (HF_CONFIG, IncompleteCheckpoint, Meta, checkpoint_root, complete_copy, list_step_dirs,
-                                module_file, parse_size, read_best, read_checkpoint, read_meta, resolve_resume,
-                                run_hf_config, run_hf_files, sharded_tensors, verify_checkpoint, write_hf_directory)
+from ddp_amp.checkpoint import (HF_CONFIG, TIED, IncompleteCheckpoint, Meta, check_hf_output, checkpoint_root,
+                                complete_copy, list_step_dirs, module_file, parse_size, read_best, read_checkpoint,
+                                read_meta, resolve_resume, run_hf_config, run_hf_files, sharded_tensors,
+                                verify_checkpoint, write_hf_directory)
 from ddp_amp.durable import write_atomic
 from ddp_amp.errors import UsageError
 from ddp_amp.version import __version__
@@ -294,19 +295,33 @@ def export_hf(source: Path, output: Path, *, best: bool = False, force: bool = F
     """Write the checkpoint `source` names as a Hugging Face model directory `output`; returns that checkpoint."""
     backend = require_safetensors()
     max_bytes = parse_size(max_shard_size)
+    check_hf_output(output, force)  # before reading gigabytes only to be refused
     checkpoint = locate_checkpoint(source, best, lambda message: _note(f"warning: {message}"))
-    config = _hf_config(checkpoint, hf_config)
-    state, _, step = read_model_state(checkpoint, module)
+    recorded = run_hf_config(checkpoint) or {}
+    config = _hf_config(checkpoint, hf_config, recorded)
+    state, meta, step = read_model_state(checkpoint, module)
+    if chosen_module(checkpoint, meta, module) in meta.sharded and hf_config is None:
+        # Runs before the record named the model's own class recorded FSDP's subclass of it.
+        config["architectures"] = [name.removeprefix("FSDP") for name in config.get("architectures", [])]
     exported = storable_tensors(state)
-    # A tied weight once, under its first name, as save_pretrained writes it (the config ties it).
-    tensors = {name: tensor for name, tensor in exported.tensors.items() if name not in exported.shared}
+    # A tied weight once, under its first name, as save_pretrained writes it (the config ties it):
+    # sharing storage where the checkpoint kept the tie, named in the run's record where a
+    # sharded checkpoint holds it under each name.
+    tied = recorded.get(TIED, {})
+    tensors = {name: tensor for name, tensor in exported.tensors.items()
+               if name not in exported.shared and not _same_as(tied.get(name), tensor, exported.tensors)}
     files = write_hf_directory(output, tensors, config, max_bytes, backend, force, run_hf_files(checkpoint))
     print(f"ddp_amp: exported step {step} of {checkpoint} ({len(tensors)} tensors in {len(files)} "
           f"file{'s' if len(files) > 1 else ''}) as a Hugging Face model directory {output}", flush=True)
     return checkpoint
 
 
-def _hf_config(checkpoint: Path, given: Path | None) -> dict[str, Any]:
+def _same_as(name: str | None, tensor: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether `tensor` is a copy of `tensors[name]` (a tied weight's other name)."""
+    return name is not None and name in tensors and torch.equal(tensors[name], tensor)
+
+
+def _hf_config(checkpoint: Path, given: Path | None, recorded: dict[str, Any]) -> dict[str, Any]:
     """The transformers config to write: `--hf-config`'s (a config.json or a directory with one),
     else the one the run recorded."""
     if given is not None:
@@ -318,11 +333,10 @@ def _hf_config(checkpoint: Path, given: Path | None) -> dict[str, Any]:
                              f"{type(error).__name__}: {error}"[:200]) from None
         if isinstance(loaded, dict):
             return loaded
-    recorded = run_hf_config(checkpoint)
-    if recorded is None:
+    if not recorded:
         raise UsageError("--hf", str(checkpoint), f"a run whose model is a transformers model (its {HF_CONFIG})",
                          "this run recorded no transformers config; name one with --hf-config DIR_OR_CONFIG_JSON")
-    return recorded
+    return dict(recorded)
 
 
 def export(source: Path, output: Path, *, best: bool = False, force: bool = False,

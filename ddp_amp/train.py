@@ -15,7 +15,6 @@ kept); 75 stopped by a requeue signal with the checkpoint committed (requeued un
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -30,7 +29,8 @@ _STARTUP = EarlySignals((signal.SIGUSR1, signal.SIGTERM)) if __name__ == "__main
 
 from torch import nn
 
-from ddp_amp.checkpoint import HF_CONFIG, HF_FILES, checkpoint_root, ensure_writable, list_step_dirs, weight_files
+from ddp_amp.checkpoint import (HF_CONFIG, HF_FILES, checkpoint_root, ensure_writable, hf_config_record,
+                                list_step_dirs, match_weights, read_headers)
 from ddp_amp.command_line import config_toml, parse_command_line
 from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import agreed_origin, on_every_rank, publish_failure
@@ -38,6 +38,7 @@ from ddp_amp.env import detect_env
 from ddp_amp.errors import CheckpointError, TrainingHalted, UsageError
 from ddp_amp.guards import exit_code_for
 from ddp_amp.metrics import RunLog, make_run_log
+from ddp_amp.parallel import meta_model
 from ddp_amp.session import Session
 from ddp_amp.tasks import Task
 from ddp_amp.trainer import build_trainer, prepare_task
@@ -56,35 +57,55 @@ def train(config: TrainConfig, session: Session) -> dict[str, Any]:
     when this function returns, before the session leaves the process group (docs/facts.md:
     a gloo group torn down under a live DDP reducer can abort the process).
     """
-    # A task that fails to build on some ranks only fails on every rank, with its message.
-    task = on_every_rank(lambda: prepare_task(config, session))  # before anything is written
     run_dir = run_directory(config, session)
-    if _starts_fresh(config, run_dir) and config.checkpoint_options().init_weights:
-        # The pretrained weights exist and read as weights (their headers only), before anything is
-        # written; a resume takes its checkpoint's weights, so their files may be gone by then.
-        on_every_rank(lambda: weight_files(config.checkpoint_options().init_weights))
-    data = task.data_identity
+    start = config.checkpoint_options()
+    # A resume takes its checkpoint's weights: the pretrained files may be gone by then.
+    pretrained = start.init_weights if start.init_weights and _starts_fresh(config, run_dir) else ""
+    filled: list[frozenset[str]] = [frozenset()]
+
+    def check_weights(task: Task) -> frozenset[str]:
+        filled[0] = check_initial_weights(task, pretrained, start.init_weights_strict)
+        return filled[0]
+
+    # A task that fails to build on some ranks only fails on every rank, with its message.
+    task = on_every_rank(lambda: prepare_task(config, session, check_weights if pretrained else None))
+    data = task.data_identity  # a resume whose data changed is refused (--allow-change data)
     explicit = plan_resume(config, run_dir, session, data) if config.resume not in ("auto", "none") else None
     lock = lock_run_directory(run_dir, session)  # a second job on this directory stops here
     try:
         plan = explicit or plan_resume(config, run_dir, session, data)
-        return _train_in(run_dir, plan, config, session, task)
+        return _train_in(run_dir, plan, config, session, task, filled[0] if plan.checkpoint is None else frozenset())
     finally:
         lock.release()
 
 
-def _train_in(run_dir: Path, plan: ResumePlan, config: TrainConfig, session: Session, task: Task) -> dict[str, Any]:
+def check_initial_weights(task: Task, source: str, strict: bool) -> frozenset[str]:
+    """The names of the task's model that `--init-weights` fills, from every file's header and
+    the model's names and shapes (its factory run on the meta device: nothing built or drawn),
+    before anything is built or written; a one-line UsageError for a file missing, truncated
+    or unreadable, a name or a shape. Empty where the factory cannot build on the meta device
+    (the load checks the same, after the build)."""
+    headers = read_headers(source)
+    model = task.model if task.model is not None else meta_model(task.build_model) if task.build_model else None
+    return match_weights(model, headers, strict).filled if model is not None else frozenset()
+
+
+def _train_in(run_dir: Path, plan: ResumePlan, config: TrainConfig, session: Session, task: Task,
+              filled: frozenset[str]) -> dict[str, Any]:
+    """`filled`: the parameters `--init-weights` fills (none on a resume), whose init the build skips."""
     ctx, precision = session.ctx, session.precision
     ckpt_root = checkpoint_root(run_dir)
     ensure_writable(ckpt_root, run_dir)  # all ranks fail together, before any work
     run_log = make_run_log(ctx.rank, run_dir)
     try:
-        trainer = build_trainer(session, config, run_log, task=task, checkpoint_root=ckpt_root)
+        trainer = build_trainer(session, config, run_log, task=task, checkpoint_root=ckpt_root, overwritten=filled)
         if plan.checkpoint is not None:  # its last checks (shapes, optimizer) before any write
             trainer.load_checkpoint(plan.checkpoint)
         elif config.checkpoint_options().init_weights:  # a fresh start from pretrained weights
             start = config.checkpoint_options()
             on_every_rank(lambda: trainer.load_initial_weights(start.init_weights, start.init_weights_strict))
+            if filled:
+                run_log.info(f"the build drew no init for the {len(filled)} parameter names the weights fill")
         run_log.info(f"task={task.name} world_size={ctx.world_size} device={ctx.device} "
                      f"backend={ctx.backend or 'none'} precision={precision.name} ({precision.reason}) "
                      f"model={trainer.layout} run_dir={run_dir} start: {plan.describe()}")
@@ -122,10 +143,8 @@ def _starts_fresh(config: TrainConfig, run_dir: Path) -> bool:
 
 def _record_hf_config(run_log: RunLog, model: nn.Module) -> None:
     """A transformers model's config, for `export --hf` to write as the model directory's config.json."""
-    hf_config: Any = getattr(model, "config", None)
-    if hasattr(hf_config, "to_json_string"):
-        recorded = json.loads(hf_config.to_json_string())
-        recorded["architectures"] = [type(model).__name__]  # the class from_pretrained rebuilds
+    recorded = hf_config_record(model)
+    if recorded is not None:
         run_log.write_json(HF_CONFIG, recorded)
 
 

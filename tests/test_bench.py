@@ -57,7 +57,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     result = _bench("--device", "cpu", "--scale", "0.004", "--batches", "2", "--epochs", "1",
                     "--blocks", "2", "--steps-per-block", "1", "--transformer-precisions", "fp32,fp8",
                     "--memory-width", "64", "--memory-layers", "4",
-                    "--build-width", "64", "--build-layers", "4",
+                    "--build-width", "64", "--build-layers", "4", "--build-llama-width", "64",
+                    "--build-llama-layers", "1", "--build-runs", "1",
                     "--activation-width", "32", "--activation-layers", "2", "--activation-tokens", "16",
                     "--scale-ranks", "16", "--scale-silence", "2", "--resume-ranks", "4,16", "--resume-repeats", "1",
                     "--data-copies", "1", "--data-trials", "1",
@@ -115,6 +116,14 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None
     estimate = 6 * transformer["parameters"] * transformer["shape"]["batch"] * transformer["shape"]["sequence"]
     assert 0.5 * estimate < rows["fp32"]["flops_per_step"] < 2 * estimate
     assert "Transformer: GPT-2-shaped decoder" in text and "fp8: not run" in text
+    # Each rank's peak while built sharded, the stack's and a transformers Llama's: shares of a
+    # few KiB or MiB are shown but not held to the target.
+    build = report["sections"]["memory"]["build"]
+    (llama_row,) = build["llama"]["rows"]
+    assert len(llama_row["of_share_per_rank"]) == 4 and "transformers LlamaForCausalLM" in text
+    sharded = [row for row in [*build["rows"], llama_row] if "target" in row]
+    assert len(sharded) == 4
+    assert all(row["meets_target"] is None and "too small" in row["target_note"] for row in sharded)
     # The real judges against one real store, 16 ranks each with its own connection, one
     # stopping: named, and no other; the rate achieved is reported beside the one asked.
     (scale_row,) = report["sections"]["scale"]["rows"]

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ddp_amp import UsageError
-from ddp_amp.checkpoint import load_pretrained
+from ddp_amp.checkpoint import load_pretrained, read_headers
 from ddp_amp.export import main as export_main
 from tests.multiproc import run_train
 
@@ -50,14 +50,25 @@ def test_a_pretrained_llama_round_trips_through_sharded_training_to_from_pretrai
     # 20 tensors: the tied head is the embedding, in the files once; rank 0 read about half of them.
     line = next(line for line in result.stdout.splitlines() if "initial weights from" in line)
     assert "20 tensors" in line and "sharded: 2 x LlamaDecoderLayer" in result.stdout, result.stdout
+    # Their random init was not drawn: every parameter is in the files.
+    assert "drew no init for the 21 parameter names" in result.stdout and "drawn after all" not in result.stderr
     total = sum(p.numel() * p.element_size() for p in original.parameters())
     assert 0.4 * total < int(line.split(" bytes")[0].split(", ")[-1].replace(",", "")) < 0.6 * total, line
 
     out = tmp_path / "hf"
     assert export_main([str(tmp_path / "run"), "--to", str(out), "--hf", "--max-shard-size", "40KB"]) == 0
     assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
+    # The model's own class, not the FSDP subclass sharding made of it; the names of the source, a
+    # tied weight once (a sharded checkpoint holds it under both its names).
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert _names(out) == _names(pretrained) and "lm_head.weight" not in _names(out)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert type(loaded).__name__ == "LlamaForCausalLM" and loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    # A sharded run recorded before the fix named FSDP's subclass: the export names the model's own.
+    recorded = tmp_path / "run" / "hf_config.json"
+    recorded.write_text(json.dumps({**json.loads(recorded.read_text()), "architectures": ["FSDPLlamaForCausalLM"]}))
+    assert export_main([str(tmp_path / "run"), "--to", str(tmp_path / "hf-old"), "--hf"]) == 0
+    assert json.loads((tmp_path / "hf-old" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
     # The trained model: the run's final checkpoint in a plain Llama of the run's config.
     assert export_main([str(tmp_path / "run"), "--to", str(tmp_path / "trained.safetensors")]) == 0
@@ -72,6 +83,68 @@ def test_a_pretrained_llama_round_trips_through_sharded_training_to_from_pretrai
         assert 0 < moved < 0.01, moved
 
 
+def _names(directory: Path) -> set[str]:
+    return set(json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"])
+
+
+def _one_error_line(stderr: str) -> str:
+    errors = [line for line in stderr.splitlines() if line.startswith("ddp_amp: error: ")]
+    assert len(errors) == 1, stderr[-3000:]
+    return errors[0]
+
+
+def test_init_weights_are_checked_from_the_file_headers_before_the_model_is_built(tmp_path: Path) -> None:
+    pretrained = tmp_path / "pretrained"
+    _pretrained(pretrained)
+    last = sorted(pretrained.glob("model-*.safetensors"))[-1]
+    whole = last.read_bytes()
+    last.write_bytes(whole[:-64])  # a copy cut short
+    run_dir = tmp_path / "run"
+    # --shard builds the model after the run directory is locked: none means nothing was built.
+    result = run_train(_args(pretrained, run_dir, "--shard", "--max-steps", "1"), nproc=2)
+    # Each rank exits 2 (bad input); torchrun reports that and exits 1 itself.
+    assert result.returncode != 0 and "exitcode  : 2" in result.stderr and not run_dir.exists(), result.stderr[-3000:]
+    line = _one_error_line(result.stderr)
+    assert str(last) in line and "complete" in line, line
+    last.write_bytes(whole)
+    # A model of another size: the first name whose shape differs, with both shapes.
+    other = tmp_path / "other"
+    config = transformers.AutoConfig.from_pretrained(pretrained)
+    config.intermediate_size = 48
+    config.save_pretrained(other)
+    args = _args(pretrained, run_dir, "--max-steps", "1")
+    args[args.index(f"model={pretrained}")] = f"model={other}"
+    result = run_train(args)
+    assert result.returncode == 2 and not run_dir.exists() and "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = _one_error_line(result.stderr)
+    assert "model.layers.0.mlp.gate_proj.weight" in line and "(48, 32)" in line and "(64, 32)" in line, line
+
+
+def test_every_file_an_index_names_is_checked_from_its_header(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+    tensors = {name: value.detach() for name, value in Small().state_dict().items() if name != "head.weight"}
+    files = {"embed.weight": "a.safetensors", "proj.weight": "b.safetensors", "proj.bias": "b.safetensors"}
+    for file in set(files.values()):
+        save_file({name: tensors[name] for name, owner in files.items() if owner == file}, str(tmp_path / file))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": files}))
+    assert load_pretrained(Small(), tmp_path).tensors == 3
+    whole = (tmp_path / "b.safetensors").read_bytes()
+    cases = {"cut short": whole[:-8], "missing": None}
+    for case, data in cases.items():
+        (tmp_path / "b.safetensors").unlink()
+        if data is not None:
+            (tmp_path / "b.safetensors").write_bytes(data)
+        with pytest.raises(UsageError) as refused:
+            read_headers(tmp_path)
+        assert "\n" not in str(refused.value) and "b.safetensors" in str(refused.value), (case, refused.value)
+    (tmp_path / "b.safetensors").write_bytes(whole)
+    moved = {**files, "embed.weight": "b.safetensors"}  # an index from another save than its files
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": moved}))
+    with pytest.raises(UsageError) as refused:
+        read_headers(tmp_path)
+    assert "embed.weight" in str(refused.value) and "b.safetensors" in str(refused.value), refused.value
+
+
 def test_without_shard_the_weights_load_whole_and_a_resume_takes_its_checkpoint(tmp_path: Path) -> None:
     pretrained = tmp_path / "pretrained"
     original = _pretrained(pretrained)
@@ -79,6 +152,7 @@ def test_without_shard_the_weights_load_whole_and_a_resume_takes_its_checkpoint(
     # lr 1e-30 moves no fp32 weight (each is far above 1e-30 / 2**-24): the run ends where it started.
     first = run_train(_args(pretrained, run_dir, "--max-steps", "1", "--lr", "1e-30"))
     assert first.returncode == 0, first.stderr[-3000:]
+    assert "drew no init for the 21 parameter names" in first.stdout and "drawn after all" not in first.stderr
     assert export_main([str(run_dir), "--to", str(tmp_path / "w.safetensors")]) == 0
     weights = load_file(tmp_path / "w.safetensors")
     assert all(torch.equal(weights[name], value) for name, value in original.state_dict().items())
@@ -139,6 +213,16 @@ def test_a_bad_init_weights_path_stops_the_cli_before_anything_is_written(tmp_pa
                         "--max-steps", "1", "--run-dir", str(run_dir)])
     assert result.returncode == 2 and not run_dir.exists()
     assert "--init-weights" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_export_hf_refuses_an_existing_output_before_it_reads_any_checkpoint(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    existing = tmp_path / "hf"
+    existing.mkdir()
+    # The source is not even there: the output is refused first, before a checkpoint is looked for.
+    assert export_main([str(tmp_path / "no-run"), "--to", str(existing), "--hf"]) == 2
+    err = capsys.readouterr().err
+    assert "--to" in err and "--force" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_export_hf_of_a_run_without_a_transformers_config_is_refused_in_one_line(

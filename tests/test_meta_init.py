@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from torch import nn
@@ -18,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from ddp_amp import DistContext, Session, UsageError
 from ddp_amp.parallel import ShardOptions, ShardSlot, build_sharded
+from ddp_amp.parallel.row_draws import fill_rows
 from ddp_amp.tasks.lm import TransformerLM
 from tests.multiproc import run_ranks, run_train
 from tests.test_shard import LM
@@ -140,3 +143,110 @@ def test_the_lm_task_built_sharded_trains_exactly_as_when_built_whole(tmp_path: 
         records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         losses[name] = [r["loss"] for r in records if "loss" in r and "step" in r]
     assert len(losses["built"]) == 4 and losses["built"] == losses["whole"]
+
+
+@pytest.mark.parametrize("op, args", [(torch.ops.aten.uniform_.default, (-0.5, 2.0)),
+                                      (torch.ops.aten.normal_.default, (0.1, 0.02))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fill_drawn_piece_by_piece_keeps_the_full_fills_rows_and_stream(op: Any, args: tuple[float, float],
+                                                                          dtype: torch.dtype) -> None:
+    for shape in [(301, 16), (11, 6), (37, 7, 3), (5,), (3, 5)]:  # tails under 16 elements, odd rows
+        for slot in (ShardSlot(4, 0), ShardSlot(4, 3), ShardSlot(3, 1)):
+            torch.manual_seed(7)
+            full = torch.empty(shape, dtype=dtype)
+            op(full, *args)
+            after = torch.get_rng_state()
+            torch.manual_seed(7)
+            kept = torch.empty(slot.rows(full).shape, dtype=dtype)
+            fill_rows(op, args, {}, full.numel(), dtype, slot.flat_range(full.shape), kept.view(-1),
+                      torch.empty(32 + 15, dtype=dtype), piece=32)
+            assert torch.equal(kept, slot.rows(full)) and torch.equal(torch.get_rng_state(), after), (shape, slot)
+
+
+def _build_peak(ctx: DistContext) -> float:
+    """A fresh process's peak growth while it builds its quarter of 8 x Linear(2048, 2048), over that quarter."""
+    def stack() -> nn.Module:
+        return nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(8)])
+    build_sharded(lambda: nn.Linear(4, 4), ShardSlot(4, 0))  # first-use costs before the baseline
+    baseline = psutil.Process().memory_info().rss
+    model = build_sharded(stack, ShardSlot(4, 1))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    del model
+    return (peak - baseline) / (8 * 2048 * 2048 * 4 / 4)
+
+
+def test_a_sharded_build_holds_its_rows_and_never_a_parameter_in_full() -> None:
+    # Each weight is 16 MiB, a quarter of the stack 32 MiB: drawn in full, one weight alone
+    # would add half the quarter (1.62 x measured so); drawn piece by piece the rows and a
+    # 4 MiB piece are all (1.13 x).
+    (growth,) = run_ranks(_build_peak, 1)
+    assert growth < 1.3, growth
+
+
+class BuildsOtherwiseOnMeta(nn.Module):
+    """A model whose construction depends on where it is built: the meta pass's plan cannot hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        wide = torch.empty(0).is_meta
+        self.a, self.b = nn.Linear(6, 8 if wide else 4), nn.Linear(4, 4)
+
+
+UNLOADED = ("model.norm.weight", "model.layers.1.mlp.up_proj.weight")
+SKIP_CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[list[str]], list[str]]]] = {
+    "all": (_llama, lambda names: names),  # every parameter loaded: nothing drawn
+    "some": (_llama, lambda names: [n for n in names if n not in UNLOADED]),
+    "diverged": (BuildsOtherwiseOnMeta, lambda names: names),  # the plan does not hold: everything drawn
+}
+
+
+def _skips(ctx: DistContext) -> dict[str, Any]:
+    """Collective: each case built with its `overwritten` names; what was drawn, and the stream after."""
+    found: dict[str, Any] = {}
+    with Session("fp32", "cpu", "gloo", environ=os.environ, shard=ShardOptions()) as session:
+        for case, (factory, chosen) in SKIP_CASES.items():
+            torch.manual_seed(3)
+            plain = factory()
+            plain_stream = torch.get_rng_state()
+            parameters = [name for name, _ in plain.named_parameters(remove_duplicate=False)]  # a tied one's both
+            overwritten = chosen(parameters)
+            start = torch.manual_seed(3).get_state()
+            model = session.unwrap(session.setup(session.build_model(factory, overwritten)))
+            stream = torch.get_rng_state()
+            state = {name: value.full_tensor() if isinstance(value, DTensor) else value
+                     for name, value in model.state_dict().items()}
+            expected = plain.state_dict()
+            found[case] = {
+                "zero": sorted(name for name in parameters if not state[name].any()),
+                "as_plain": sorted(name for name in expected if torch.equal(state[name], expected[name])),
+                "names": sorted(expected), "overwritten": sorted(overwritten),
+                "stream_untouched": torch.equal(stream, start), "stream_as_plain": torch.equal(stream, plain_stream),
+                "up_std": float(state["model.layers.1.mlp.up_proj.weight"].std()) if case == "some" else 0.0}
+    with Session("fp32", "cpu", "gloo", environ=os.environ, shard=ShardOptions(replicate=2)) as session:
+        found["described"] = session.describe(session.setup(session.build_model(_llama)))
+    with Session("fp32", "cpu", "gloo", environ=os.environ) as session:  # built whole, for DDP
+        plain = _llama()
+        start = torch.manual_seed(3).get_state()
+        whole = session.build_model(_llama, [name for name, _ in plain.named_parameters(remove_duplicate=False)])
+        found["whole"] = {"stream_untouched": torch.equal(torch.get_rng_state(), start),
+                          "zero": all(not p.any() for p in whole.parameters()),
+                          "buffers_as_plain": all(torch.equal(a, b) for a, b in zip(whole.buffers(), plain.buffers())),
+                          "tied": whole.lm_head.weight is whole.model.embed_tokens.weight}
+    return found
+
+
+def test_a_build_draws_no_init_for_what_the_load_fills_and_the_rest_as_its_init_says() -> None:
+    rank_zero, rank_one = run_ranks(_skips, 2, timeout=300)
+    assert rank_zero == rank_one
+    every = rank_zero["all"]
+    buffers = [name for name in every["names"] if name not in every["overwritten"]]  # the rotary frequencies
+    assert every["stream_untouched"] and every["zero"] == every["overwritten"] and every["as_plain"] == buffers
+    some = rank_zero["some"]
+    # The two names not loaded are initialised, from the stream as the skipped draws left it.
+    assert some["zero"] == some["overwritten"] and "model.norm.weight" in some["as_plain"]
+    assert 0.015 < some["up_std"] < 0.025 and not some["stream_untouched"]  # Llama's init: normal, std 0.02
+    diverged = rank_zero["diverged"]
+    assert diverged["as_plain"] == diverged["names"] and diverged["stream_as_plain"] and diverged["zero"] == []
+    assert rank_zero["whole"] == {"stream_untouched": True, "zero": True, "buffers_as_plain": True, "tied": True}
+    # Two replicas of one rank each: the start line says so.
+    assert rank_zero["described"].startswith("sharded over 1 rank, replicated 2 times: 2 x LlamaDecoderLayer")

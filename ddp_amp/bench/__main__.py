@@ -140,6 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "about 6 MB)")
     parser.add_argument("--data-trials", type=int, default=data.TRIALS,
                         help="data: fresh processes per tokenizing contender, in turn (default: %(default)s)")
+    parser.add_argument("--build-llama-width", type=int, default=build_memory.LLAMA_WIDTH,
+                        help="memory, peak while built and sharded: hidden size of the transformers Llama built "
+                        f"on {build_memory.LLAMA_RANKS} ranks (default: %(default)s; with --build-llama-layers "
+                        f"{build_memory.LLAMA_LAYERS}, 1.04B parameters)")
+    parser.add_argument("--build-llama-layers", type=int, default=build_memory.LLAMA_LAYERS,
+                        help="memory, peak while built and sharded: the Llama's layers (default: %(default)s; 0: no "
+                        "Llama)")
+    parser.add_argument("--build-runs", type=int, default=build_memory.RUNS,
+                        help="memory, peak while built and sharded: how many times the Llama is built, each in "
+                        "fresh processes (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per process (default: all cores for recipe trials, cores/ranks for ranks)")
     parser.add_argument("--check", action="store_true",
@@ -246,7 +256,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         section = memory.run(args.device, args.memory_width, args.memory_layers)
         report["sections"]["memory"] = section
         print("\n" + memory.memory_table(section), flush=True)
-        section["build"] = build_memory.run(args.device, args.build_width, args.build_layers)
+        section["build"] = build_memory.run(args.device, args.build_width, args.build_layers,
+                                            llama_width=args.build_llama_width,
+                                            llama_layers=args.build_llama_layers, runs=args.build_runs)
         print("\n" + build_memory.build_table(section["build"]), flush=True)
         section["activations"] = activation_memory.run(args.activation_width, args.activation_layers,
                                                        args.activation_tokens)

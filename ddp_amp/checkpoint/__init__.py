@@ -46,19 +46,20 @@ from ddp_amp.checkpoint.load import read_checkpoint
 from ddp_amp.checkpoint.manifest import IncompleteCheckpoint
 from ddp_amp.checkpoint.verify import verify_checkpoint
 from ddp_amp.checkpoint.meta import Meta, read_meta
-from ddp_amp.checkpoint.hf_directory import (HF_CONFIG, HF_FILES, parse_size, run_hf_config, run_hf_files,
-                                             write_hf_directory)
-from ddp_amp.checkpoint.pretrained import LoadedWeights, load_pretrained, weight_files
+from ddp_amp.checkpoint.hf_directory import (HF_CONFIG, HF_FILES, TIED, check_hf_output, hf_config_record,
+                                             parse_size, run_hf_config, run_hf_files, write_hf_directory)
+from ddp_amp.checkpoint.pretrained import (LoadedWeights, WeightHeaders, WeightsMatch, load_pretrained,
+                                          match_weights, read_headers)
 from ddp_amp.checkpoint.retention import apply_retention
 from ddp_amp.checkpoint.safe_types import safe_load
 from ddp_amp.checkpoint.save import ensure_writable
 from ddp_amp.checkpoint.sharded import sharded_tensors
 
 __all__ = [
-    "HF_CONFIG", "HF_FILES",
-    "BestRecord", "Checkpointer", "IncompleteCheckpoint", "LoadedWeights", "Meta", "Saved", "SavedState",
-    "apply_retention", "checkpoint_root", "commit_checkpoint", "commit_directory", "complete_copy", "ensure_writable",
-    "list_step_dirs", "load_pretrained", "module_file", "newest_complete", "parse_size", "read_best",
-    "read_checkpoint", "read_meta", "resolve_resume", "run_hf_config", "run_hf_files", "safe_load", "sharded_tensors",
-    "step_dir_name", "verify_checkpoint", "weight_files", "write_best", "write_hf_directory",
+    "HF_CONFIG", "HF_FILES", "TIED", "BestRecord", "Checkpointer", "IncompleteCheckpoint", "LoadedWeights", "Meta",
+    "Saved", "SavedState", "WeightHeaders", "WeightsMatch", "apply_retention", "check_hf_output", "checkpoint_root",
+    "commit_checkpoint", "commit_directory", "complete_copy", "ensure_writable", "hf_config_record", "list_step_dirs",
+    "load_pretrained", "match_weights", "module_file", "newest_complete", "parse_size", "read_best",
+    "read_checkpoint", "read_headers", "read_meta", "resolve_resume", "run_hf_config", "run_hf_files", "safe_load",
+    "sharded_tensors", "step_dir_name", "verify_checkpoint", "write_best", "write_hf_directory",
 ]

@@ -9,9 +9,12 @@ embedding) is written once, under its first name, as `save_pretrained` writes it
 configuration says it is tied.
 
 The configuration comes from the run: a run whose model carries a transformers config
-(`model.config`) has it written to `hf_config.json` in its run directory when it starts.
+(`model.config`) has it written to `hf_config.json` in its run directory when it starts,
+with the class `from_pretrained` rebuilds (the user's, not FSDP's sharded subclass) and,
+under `TIED`, which names are another's weight: a sharded checkpoint holds such a weight
+under each name, as separate tensors, so that is how an export knows to write it once.
 The directory appears whole or not at all (written under a temporary name, then renamed);
-an existing one is replaced only when asked.
+an existing one is replaced only when asked, and that is checked before anything is read.
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from ddp_amp.checkpoint.pretrained import INDEX, SINGLE
 from ddp_amp.durable import fsync_dir
 from ddp_amp.errors import UsageError
 
 HF_CONFIG = "hf_config.json"  # in a run directory: the transformers config of its model
+TIED = "ddp_amp_tied_weights"  # in HF_CONFIG, not written out: {name: the earlier name it shares a weight with}
 HF_FILES = "hf_files"  # in a run directory: files written beside the weights (the tokenizer's)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -77,15 +83,42 @@ def plan_files(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[st
     return files
 
 
-def write_hf_directory(output: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], max_bytes: int,
-                       backend: ModuleType, force: bool, extra_files: dict[str, bytes] | None = None) -> list[str]:
-    """Write the directory (see the module's docstring), with `extra_files` (a tokenizer's)
-    beside the weights; the weights files' names."""
+def hf_config_record(model: nn.Module) -> dict[str, Any] | None:
+    """What a run records in `HF_CONFIG` for a transformers model (one with `config.to_json_string`),
+    else None: the config, the class `from_pretrained` rebuilds (the model's own, not the
+    `FSDP<class>` subclass sharding made of it) and the tied names."""
+    hf_config: Any = getattr(model, "config", None)
+    if not hasattr(hf_config, "to_json_string"):
+        return None
+    recorded: dict[str, Any] = json.loads(hf_config.to_json_string())
+    recorded["architectures"] = [next(cls.__name__ for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))]
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    if tied:
+        recorded[TIED] = tied
+    return recorded
+
+
+def check_hf_output(output: Path, force: bool) -> None:
+    """Refuse an `--to` that is a file, or that exists without `force`: before any reading."""
     if output.exists() and not output.is_dir():
         raise UsageError("--to", str(output), "a directory path", "with --hf the output is a model directory")
     if output.exists() and not force:
         raise UsageError("--to", str(output), "a path with nothing there yet",
                          "pass --force to replace it, or choose another --to")
+
+
+def write_hf_directory(output: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], max_bytes: int,
+                       backend: ModuleType, force: bool, extra_files: dict[str, bytes] | None = None) -> list[str]:
+    """Write the directory (see the module's docstring), with `extra_files` (a tokenizer's)
+    beside the weights; the weights files' names."""
+    check_hf_output(output, force)
+    config = {key: value for key, value in config.items() if key != TIED}
     groups = plan_files(tensors, max_bytes)
     names = [SINGLE] if len(groups) == 1 else [f"model-{k:05d}-of-{len(groups):05d}.safetensors"
                                                for k in range(1, len(groups) + 1)]

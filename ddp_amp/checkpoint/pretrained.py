@@ -13,6 +13,11 @@ model lacks (unexpected) or a shape that differs is a one-line UsageError naming
 and how many. A parameter with several names (tied weights: an LM head that is its
 embedding) is satisfied by any of them, as `save_pretrained` writes a tied weight once.
 `strict=False` loads what matches and leaves the rest as initialised.
+
+All of that is decided from the files' headers (`read_headers`: every file there, whole,
+each name's shape) and the model's names and shapes (`match_weights`), without reading a
+tensor: a model on the meta device will do, so a run checks its `--init-weights` before it
+builds anything and learns which parameters need no init of their own.
 """
 
 from __future__ import annotations
@@ -36,20 +41,30 @@ FLAG = "--init-weights"
 INSTALL_HINT = "pip install safetensors (or 'ddp_amp[export]')"
 
 
-def weight_files(source: str | Path) -> dict[str, Path]:
-    """Every tensor name of `source` and the file that holds it; a one-line UsageError for a
-    source that is none of the three layouts."""
+@dataclass(frozen=True)
+class WeightHeaders:
+    """What the files of a source hold, read from their headers only: each name's file and shape."""
+
+    files: dict[str, Path]
+    shapes: dict[str, tuple[int, ...]]
+
+
+def read_headers(source: str | Path) -> WeightHeaders:
+    """Every tensor name of `source`, its file and shape, from the headers of every file (no
+    tensor is read); a one-line UsageError for a source that is none of the three layouts, an
+    index that does not parse, a file missing, truncated or unreadable, or an index naming a
+    tensor its file lacks."""
     path = Path(source)
-    safe_open = _safe_open()
+    index: dict[str, Path] | None = None
     if path.is_dir():
         if (path / INDEX).is_file():
             try:
                 weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as error:
+                index = {name: path / file for name, file in weight_map.items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as error:
                 raise UsageError(FLAG, str(path / INDEX), "a Hugging Face index with a weight_map",
                                  f"it does not parse as one ({error}); write it with save_pretrained") from None
-            return {name: path / file for name, file in weight_map.items()}
-        if (path / SINGLE).is_file():
+        elif (path / SINGLE).is_file():
             path = path / SINGLE
         else:
             raise UsageError(FLAG, str(source), f"a .safetensors file, or a directory with {INDEX} or {SINGLE}",
@@ -57,12 +72,31 @@ def weight_files(source: str | Path) -> dict[str, Path]:
     elif not path.is_file():
         raise UsageError(FLAG, str(source), "an existing .safetensors file or directory",
                          "check the path (a Hugging Face model directory, or a .safetensors file)")
+    if index is None:
+        shapes = _header(path)
+        return WeightHeaders({name: path for name in shapes}, shapes)
+    headers = {file: _header(file) for file in sorted(set(index.values()))}
+    for name, file in index.items():
+        if name not in headers[file]:
+            raise UsageError(FLAG, f"{name} in {file}", f"every tensor {INDEX} maps to a file in that file",
+                             "the file and the index come from different saves; copy the model directory again")
+    return WeightHeaders(index, {name: headers[file][name] for name, file in index.items()})
+
+
+def _header(file: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor of one .safetensors file, from its header (safetensors checks
+    there that the file holds every byte the header promises)."""
+    if not file.is_file():
+        raise UsageError(FLAG, str(file), "an existing .safetensors file (the index names it)",
+                         "copy or download the whole model directory, every file the index lists")
+    safe_open = _safe_open()
     try:
-        with safe_open(str(path), framework="pt") as opened:
-            return {name: path for name in opened.keys()}  # noqa: SIM118  # a safetensors handle, not a dict
+        with safe_open(str(file), framework="pt") as opened:
+            return {name: tuple(opened.get_slice(name).get_shape()) for name in opened.keys()}  # noqa: SIM118  # a safetensors handle, not a dict
     except Exception as error:  # noqa: BLE001  # safetensors raises its own error types for a bad file
-        raise UsageError(FLAG, str(path), "a readable .safetensors file",
-                         f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from None
+        reason = str(error).splitlines()[0] if str(error) else ""
+        raise UsageError(FLAG, str(file), "a complete, readable .safetensors file",
+                         f"{type(error).__name__}: {reason}; copy or download it again") from None
 
 
 def _safe_open() -> Any:
@@ -83,21 +117,37 @@ class LoadedWeights:
     unexpected: tuple[str, ...] = ()  # names of the files the model has not (strict=False only)
 
 
-def load_pretrained(model: nn.Module, source: str | Path, strict: bool = True) -> LoadedWeights:
-    """Fill `model`'s parameters and persistent buffers from `source` by name (no collective:
-    each rank reads its own slices); see the module's docstring."""
-    files = weight_files(source)
-    groups = _tensor_groups(model)
-    chosen: dict[str, tuple[str, torch.Tensor]] = {}  # file name -> (model name, tensor)
+@dataclass(frozen=True)
+class WeightsMatch:
+    """How the files' names meet a model's tensors."""
+
+    chosen: dict[str, str]  # file name -> the model's (first) name of the tensor it fills
+    filled: frozenset[str]  # every name of every tensor filled (a tied weight's each name)
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+
+
+def match_weights(model: nn.Module, headers: WeightHeaders, strict: bool = True) -> WeightsMatch:
+    """Which file tensor fills which of `model`'s parameters and persistent buffers (a model
+    on the meta device will do: only names and shapes are read); a one-line UsageError for a
+    name missing or unexpected under `strict`, or for any shape that differs."""
+    chosen: dict[str, str] = {}
+    filled: set[str] = set()
     missing: list[str] = []
+    groups = _tensor_groups(model)
     for names, tensor in groups:
-        found = next((name for name in names if name in files), None)
+        found = next((name for name in names if name in headers.files), None)
         if found is None:
             missing.append(names[0])
-        else:
-            chosen[found] = (names[0], tensor)
+            continue
+        shape = headers.shapes[found]
+        if shape != tuple(tensor.shape):
+            raise UsageError(FLAG, found, f"shape {tuple(tensor.shape)} as the model's {names[0]}",
+                             f"{headers.files[found]} holds {shape}: another model size or config")
+        chosen[found] = names[0]
+        filled.update(names)
     known = {name for names, _ in groups for name in names}
-    unexpected = sorted(name for name in files if name not in known)
+    unexpected = sorted(name for name in headers.files if name not in known)
     if strict and missing:
         raise _mismatch("missing", missing, "a weight for every parameter and persistent buffer of the model",
                         "the files lack these names; pass --no-init-weights-strict to keep their init")
@@ -105,19 +155,24 @@ def load_pretrained(model: nn.Module, source: str | Path, strict: bool = True) -
         raise _mismatch("unexpected", unexpected, "only names the model has",
                         "the files hold weights the model lacks (another architecture or config?); "
                         "--no-init-weights-strict ignores them")
+    return WeightsMatch(chosen, frozenset(filled), tuple(missing), tuple(unexpected))
+
+
+def load_pretrained(model: nn.Module, source: str | Path, strict: bool = True) -> LoadedWeights:
+    """Fill `model`'s parameters and persistent buffers from `source` by name (no collective:
+    each rank reads its own slices); see the module's docstring. Every file, name and shape
+    is checked before anything is copied: a refused load leaves the model as it was."""
+    headers = read_headers(source)
+    matched = match_weights(model, headers, strict)
+    tensors = {name: tensor for names, tensor in _tensor_groups(model) for name in names[:1]}
     read = 0
     with ExitStack() as stack, torch.no_grad():
         safe_open = _safe_open()
         opened = {path: stack.enter_context(safe_open(str(path), framework="pt"))
-                  for path in {files[name] for name in chosen}}
-        for file_name, (model_name, tensor) in chosen.items():  # every shape before any copy: all or nothing
-            shape = tuple(opened[files[file_name]].get_slice(file_name).get_shape())
-            if shape != tuple(tensor.shape):
-                raise UsageError(FLAG, file_name, f"shape {tuple(tensor.shape)} as the model's {model_name}",
-                                 f"the file's is {shape}: another model size or config")
-        for file_name, (_, tensor) in chosen.items():
-            read += _fill(tensor, opened[files[file_name]], file_name)
-    return LoadedWeights(len(chosen), read, tuple(missing), tuple(unexpected))
+                  for path in {headers.files[name] for name in matched.chosen}}
+        for file_name, model_name in matched.chosen.items():
+            read += _fill(tensors[model_name], opened[headers.files[file_name]], file_name)
+    return LoadedWeights(len(matched.chosen), read, matched.missing, matched.unexpected)
 
 
 def _tensor_groups(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:

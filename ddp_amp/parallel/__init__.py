@@ -5,7 +5,9 @@
 - `parallelize`: float8, activation checkpointing, compile, FSDP2 or DDP and the autocast
   wrapper, applied in one place in an order its docstring explains;
 - `ddp`: the one DDP wrap, its comm hook, and releasing it before teardown;
-- `meta_init`: building a model to shard with only this rank's rows of each parameter;
+- `meta_init`: building a model to shard with only this rank's rows of each parameter
+  (what a parameter holds meanwhile: `shard_rows`; its random fills: `row_draws`; their
+  memory: `host_pages`);
 - `fsdp`: sharding a model's units and root with FSDP2 (`--shard`), and what units are;
 - `options`: `ParallelOptions`, the run's choices among them (flags).
 
@@ -15,13 +17,15 @@ Imports `amp`, `distributed` and `errors` from ddp_amp; the session builds on it
 from ddp_amp.parallel.ddp import CommHook, comm_hook, release_ddp, wrap_ddp
 from ddp_amp.parallel.fsdp import (Units, default_units, describe_units, fused_kernel_takes, shard_model,
                                    shard_units)
-from ddp_amp.parallel.meta_init import ShardSlot, build_sharded, is_built_sharded, shard_slot
+from ddp_amp.parallel.init_skip import meta_model
+from ddp_amp.parallel.meta_init import build_sharded, build_whole, is_built_sharded
 from ddp_amp.parallel.parallelize import Parallelized, parallelize
 from ddp_amp.parallel.options import check_gather_dtype
 from ddp_amp.parallel.plan import ParallelPlan, ShardOptions
+from ddp_amp.parallel.shard_rows import ShardSlot, shard_slot
 
 __all__ = [
-    "CommHook", "ParallelPlan", "Parallelized", "ShardOptions", "ShardSlot", "Units", "build_sharded",
+    "CommHook", "ParallelPlan", "Parallelized", "ShardOptions", "ShardSlot", "Units", "build_sharded", "build_whole",
     "check_gather_dtype", "comm_hook", "default_units", "describe_units", "fused_kernel_takes", "is_built_sharded",
-    "parallelize", "release_ddp", "shard_model", "shard_slot", "shard_units", "wrap_ddp",
+    "meta_model", "parallelize", "release_ddp", "shard_model", "shard_slot", "shard_units", "wrap_ddp",
 ]

@@ -8,12 +8,18 @@ every parameter replaced, as it is registered, by a `_Slice`: a tensor that repo
 full shape, dtype and a CPU device (so init code that checks `is_meta` still runs) but
 stores only this rank's rows. Writes into it are carried out on those rows:
 
-- random fills (`uniform_`, `normal_`, ...) draw the FULL tensor from the global generator,
-  in the order the init code calls them, and keep the rank's rows: the random stream is
-  consumed exactly as by an unsharded build, so the result equals `factory()`'s under the
-  same seed, slice for slice (the transient full tensor is one parameter, never the model);
-- element-wise in-place ops with scalar arguments (`fill_`, `zero_`, `mul_`, `clamp_`,
-  `erfinv_`, ...) act on the rows alone;
+- the parameter whose init code is running is the build's current one: in-place ops on it
+  act on its full values, so init code may read them (truncated normal, a padding row
+  zeroed) while it runs; once the next parameter's init starts, it keeps its rows only;
+- `uniform_`, `normal_`, `fill_` and `zero_` compute the rows alone, drawing random ones
+  piece by piece (`row_draws`): the random stream is consumed exactly as by an unsharded
+  build, so the result equals `factory()`'s under the same seed, slice for slice, and no
+  parameter is ever held in full for them. Init code that then reads the full values gets
+  them made again from the generator state the fill started from;
+- other random fills (`bernoulli_`, ...) draw the full tensor (one parameter, never the
+  model) and keep the rows;
+- element-wise in-place ops with scalar arguments (`mul_`, `clamp_`, `erfinv_`, ...) on a
+  parameter no longer current act on its rows alone;
 - `copy_` from a real tensor of the full shape copies its rows (orthogonal and other inits
   that compute a full value first);
 - `clone` and aliases of the whole parameter (`detach`, `view` to its own shape) are
@@ -27,23 +33,30 @@ Buffers are built for real (they are small, and computed, like rotary frequencie
 
 After the build the parameters are meta tensors (`fully_shard` shards those without
 memory) and the slices wait, keyed by the parameter's name, for `materialize` to copy them
-into the shards once the model is sharded.
+into the shards once the model is sharded. Rows and full tensors live in memory mappings of
+their own (`host_pages`), so what is freed goes back to the system at once: a rank's peak
+is what it holds, about 1.1 x its share of a 1B Llama (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from ddp_amp.errors import UsageError
+from ddp_amp.parallel.host_pages import mapped_copy, mapped_empty, mapped_zeros
+from ddp_amp.parallel.init_skip import PlanDiverged, skip_plan
+from ddp_amp.parallel.row_draws import FILLS, pieces_exact
+from ddp_amp.parallel.shard_rows import BuildValues, ShardSlot, SlotBuild
+
+log = logging.getLogger(__name__)
 
 # In-place ops that overwrite every element without reading it: they may start on a parameter
 # whose other ranks' rows are gone.
@@ -61,87 +74,14 @@ _LIKE = {"new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided", 
 _ALIASES = {"detach", "alias", "view", "_unsafe_view", "view_as", "reshape", "expand", "lift_fresh"}
 
 
-@dataclass(frozen=True)
-class ShardSlot:
-    """Where this rank's rows lie: `index` of `size` chunks along dimension 0."""
-
-    size: int = 1
-    index: int = 0
-
-    def rows(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of `full`, as `fully_shard`'s `Shard(0)` keeps them (possibly none)."""
-        if full.dim() == 0:
-            return full
-        chunks = torch.chunk(full, self.size, dim=0)
-        if self.index < len(chunks):
-            return chunks[self.index]
-        return full.narrow(0, 0, 0)
-
-
-def shard_slot(mesh: DeviceMesh) -> ShardSlot:
-    """This rank's slot on the mesh's sharding dimension (replicas of HSDP share a slot)."""
-    if mesh.ndim == 1:
-        return ShardSlot(mesh.size(), mesh.get_local_rank())
-    return ShardSlot(mesh.size(1), mesh.get_local_rank(1))
-
-
-class _Build:
-    """One build's state: the one tensor held in full while its init code runs."""
-
-    def __init__(self, slot: ShardSlot) -> None:
-        self.slot = slot
-        self.current: _Values | None = None
-
-    def finish(self) -> None:
-        if self.current is not None:
-            self.current.cut()
-
-
-class _Values:
-    """What a parameter (and every alias of it) holds: this rank's rows, and while it is the
-    build's current tensor, the full tensor too."""
-
-    def __init__(self, build: _Build, rows: torch.Tensor, label: str, part: bool = False) -> None:
-        self.build, self.rows, self.label = build, rows, label
-        self.full: torch.Tensor | None = None
-        # A view of a part of a parameter (a row, a column) no longer held in full: its
-        # elements are not this rank's rows, so any write into it is refused.
-        self.part = part
-
-    def start_full(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """Hold this tensor in full from now on (its old values are about to be overwritten)."""
-        if self.full is None:
-            if self.build.current is not None:
-                self.build.current.cut()
-            self.full = torch.empty(shape, dtype=dtype)
-            self.build.current = self
-        return self.full
-
-    def cut(self) -> None:
-        """Keep the rows of the full tensor and let the rest go."""
-        if self.full is None:
-            return
-        self.rows.copy_(self.build.slot.rows(self.full))
-        self.full = None
-        self.build.current = None
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Values:
-        # `copy.deepcopy` of a parameter copies its attributes too: a copy of the values, in the same build.
-        return self.copied()
-
-    def copied(self) -> _Values:
-        source = self.build.slot.rows(self.full) if self.full is not None else self.rows
-        return _Values(self.build, source.clone(), self.label)
-
-
 class _Slice(torch.Tensor):
     """A parameter during the build: the full tensor's metadata (CPU, not meta, so init code
-    that skips meta tensors still runs), values in a `_Values`."""
+    that skips meta tensors still runs), values in a `BuildValues`."""
 
-    held: _Values
+    held: BuildValues
 
     @staticmethod
-    def __new__(cls, shape: torch.Size, dtype: torch.dtype, values: _Values) -> _Slice:
+    def __new__(cls, shape: torch.Size, dtype: torch.dtype, values: BuildValues) -> _Slice:
         made = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=torch.device("cpu"))
         made.held = values
         return made
@@ -167,8 +107,8 @@ class _Slice(torch.Tensor):
             return _Slice(target.shape, target.dtype, target.held)
         if target is not None and not _in_full(target) and _returns_alias(func):
             shape = _result_shape(func, args, kwargs)
-            return _Slice(shape, target.dtype, _Values(target.held.build, target.held.rows, target.held.label,
-                                                       part=True))
+            return _Slice(shape, target.dtype, BuildValues(target.held.build, target.held.rows, target.held.label,
+                                                           part=True, skipped=target.held.skipped))
         if name in _LIKE:
             return func(*tree_map(_shape_only, args), **tree_map(_shape_only, kwargs))
         if all(_in_full(a) for a in _flat(args, kwargs)):
@@ -180,6 +120,8 @@ class _Slice(torch.Tensor):
 
     def _write(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Slice:
         values = self.held
+        if values.skipped:
+            return self  # the load that follows overwrites it
         if values.part:
             raise _cannot(values.label, f"{func} writes into a part of it (a row, a column) after other "
                           "parameters were initialised")
@@ -192,11 +134,14 @@ class _Slice(torch.Tensor):
                               f"shape ({tuple(getattr(source, 'shape', ()))})")
             values.start_full(self.shape, self.dtype).copy_(_full(source))
             return self
+        if _fills_rows_alone(func, name, self.dtype, rest):
+            values.fill_rows(func, args[1:], kwargs, self.shape, self.dtype)
+            return self
         if name in _OVERWRITES and all(_in_full(a) for a in rest):
             func(values.start_full(self.shape, self.dtype), *tree_map(_full, args[1:]), **tree_map(_full, kwargs))
             return self
-        if values.full is not None and all(_in_full(a) for a in rest):
-            func(values.full, *tree_map(_full, args[1:]), **tree_map(_full, kwargs))
+        if _in_full(self) and all(_in_full(a) for a in rest):
+            func(_full(self), *tree_map(_full, args[1:]), **tree_map(_full, kwargs))
             return self
         if name in _ELEMENTWISE and not any(isinstance(a, torch.Tensor) and (a.dim() or a.is_meta) for a in rest):
             func(values.rows, *tree_map(_full, args[1:]), **tree_map(_full, kwargs))
@@ -211,16 +156,23 @@ def _flat(args: Any, kwargs: Any = None) -> list[Any]:
     return found
 
 
+def _fills_rows_alone(func: Any, name: str, dtype: torch.dtype, rest: list[Any]) -> bool:
+    """Whether the write overwrites every element with values that need no other tensor: a
+    constant, or a random fill whose pieces are drawn as the whole is (row_draws.py)."""
+    if any(isinstance(a, _Slice) or (isinstance(a, torch.Tensor) and (a.dim() or a.is_meta)) for a in rest):
+        return False
+    return name in ("fill_", "zero_") or (name in FILLS and pieces_exact(func, dtype))
+
+
 def _in_full(value: Any) -> bool:
-    """Whether `value` has real values here: not a `_Slice`, or the one held in full."""
-    return not isinstance(value, _Slice) or value.held.full is not None
+    """Whether `value` has real values here: not a `_Slice`, or the one whose init code is
+    running (held in full, or a fill it can make again)."""
+    return not isinstance(value, _Slice) or value.held.full is not None or value.held.fill is not None
 
 
 def _full(value: Any) -> Any:
     if isinstance(value, _Slice):
-        if value.held.full is None:  # callers check _in_full first
-            raise RuntimeError(f"{value.held.label}: its full values are not held here")
-        return value.held.full
+        return value.held.full_values(value.shape, value.dtype)
     return value
 
 
@@ -259,11 +211,50 @@ def _cannot(label: str, why: str) -> UsageError:
 _PENDING: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
-def build_sharded(factory: Callable[[], nn.Module], slot: ShardSlot) -> nn.Module:
+def build_sharded(factory: Callable[[], nn.Module], slot: ShardSlot,
+                  overwritten: Collection[str] = frozenset()) -> nn.Module:
     """`factory()` with this rank's rows of each parameter only; see the module's docstring.
+    `overwritten`: names of parameters the caller fills right after (pretrained weights):
+    their init is not drawn, where the build can tell which they are (init_skip.py).
 
     The returned model's parameters are on the meta device until `materialize`, after sharding."""
-    build = _Build(slot)
+    plan = skip_plan(factory, overwritten) if overwritten else None
+    if plan is not None:
+        stream = torch.get_rng_state()
+        try:
+            return _build(factory, SlotBuild(slot, plan), frozenset(overwritten))
+        except (PlanDiverged, UsageError) as error:
+            log.warning("every parameter's init is drawn after all: leaving those --init-weights fills "
+                        "uninitialised did not hold (%s)", error)
+            torch.set_rng_state(stream)
+    return _build(factory, SlotBuild(slot), frozenset())
+
+
+def build_whole(factory: Callable[[], nn.Module], overwritten: Collection[str] = frozenset()) -> nn.Module:
+    """`factory()`, drawing no init for the `overwritten` parameters where the build can tell
+    which they are: built as the one slot that holds every row, whose rows then become the
+    parameters. Init code a slot cannot replay gets a plain `factory()` instead."""
+    if not overwritten or skip_plan(factory, overwritten) is None:
+        return factory()
+    stream = torch.get_rng_state()
+    try:
+        model = build_sharded(factory, ShardSlot(1, 0), overwritten)
+    except UsageError:
+        torch.set_rng_state(stream)
+        return factory()
+    rows = _PENDING.pop(model)
+    made: dict[int, nn.Parameter] = {}  # a tied weight is one parameter under each of its names
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) not in made:
+                whole = rows[f"{module_name}.{name}" if module_name else name].clone()  # out of its mapping
+                made[id(param)] = nn.Parameter(whole, requires_grad=param.requires_grad)
+            if param is not None:
+                module._parameters[name] = made[id(param)]
+    return model
+
+
+def _build(factory: Callable[[], nn.Module], build: SlotBuild, overwritten: frozenset[str]) -> nn.Module:
     handle = nn.modules.module.register_module_parameter_registration_hook(
         lambda module, name, param: _as_slice(build, module, name, param))  # type: ignore[arg-type]  # a hook may return the parameter to register instead
     try:
@@ -280,27 +271,36 @@ def build_sharded(factory: Callable[[], nn.Module], slot: ShardSlot) -> nn.Modul
     if not isinstance(model, nn.Module):
         raise UsageError("Task.build_model", type(model).__name__, "a function returning a torch.nn.Module",
                          "return the model from build_model")
-    _PENDING[model] = _to_meta(model)
+    _PENDING[model] = _to_meta(model, overwritten)
     return model
 
 
-def _as_slice(build: _Build, module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+def _as_slice(build: SlotBuild, module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
     """The parameter-registration hook: a new parameter becomes a `_Slice` of this rank's rows."""
-    if param is None or isinstance(param, _Slice):
-        return None  # no parameter, or one already sliced (a tied weight registered again)
-    if param.is_meta:  # made on the meta device by the model itself: no values yet, as a plain build
-        rows = torch.empty(build.slot.rows(torch.empty(param.shape, device="meta")).shape, dtype=param.dtype)
+    if param is None:
+        return None
+    index, build.registered = build.registered, build.registered + 1
+    skipped = build.plan is not None and build.plan.skips(index, param.shape)
+    if isinstance(param, _Slice):
+        return None  # one already sliced (a tied weight registered again)
+    shape = build.slot.rows(torch.empty(param.shape, device="meta")).shape
+    if skipped:  # none needed: the load fills them
+        rows = mapped_zeros(shape, param.dtype)
+    elif param.is_meta:  # made on the meta device by the model itself: no values yet, as a plain build
+        rows = mapped_empty(shape, param.dtype)
     else:
-        rows = build.slot.rows(param.detach().to("cpu")).clone()
-    values = _Values(build, rows, f"{type(module).__name__}.{name}")
+        rows = mapped_copy(build.slot.rows(param.detach().to("cpu")))
+    values = BuildValues(build, rows, f"{type(module).__name__}.{name}", skipped=skipped)
     return nn.Parameter(_Slice(param.shape, param.dtype, values), requires_grad=param.requires_grad)
 
 
-def _to_meta(model: nn.Module) -> dict[str, torch.Tensor]:
+def _to_meta(model: nn.Module, overwritten: frozenset[str]) -> dict[str, torch.Tensor]:
     """Swap every `_Slice` parameter for a meta one (the same object under each of its names);
-    return the rows by parameter name."""
+    return the rows by parameter name. One left uninitialised must be `overwritten`."""
     rows: dict[str, torch.Tensor] = {}
     swapped: dict[int, nn.Parameter] = {}
+    uncovered: dict[int, str] = {}  # parameters left uninitialised, by identity
+    loaded: set[int] = set()  # those of them the load fills
     for module_name, module in model.named_modules(remove_duplicate=False):
         for name, param in list(module._parameters.items()):
             if param is None:
@@ -312,11 +312,18 @@ def _to_meta(model: nn.Module) -> dict[str, torch.Tensor]:
                 swapped[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
                                                   requires_grad=param.requires_grad)
             module._parameters[name] = swapped[id(param)]
-            rows[f"{module_name}.{name}" if module_name else name] = param.held.rows
+            full_name = f"{module_name}.{name}" if module_name else name
+            if param.held.skipped:
+                uncovered.setdefault(id(param), full_name)
+                loaded.update({id(param)} if full_name in overwritten else set())
+            rows[full_name] = param.held.rows
         for name, buffer in module._buffers.items():
             if buffer is not None and (buffer.is_meta or isinstance(buffer, _Slice)):
                 raise _cannot(f"{type(module).__name__}.{name}", "this buffer was computed from a parameter's "
                               "values, which are not known while building")
+    for identity, name in uncovered.items():
+        if identity not in loaded:  # under none of its names (a tied weight has several)
+            raise PlanDiverged(f"{name} was left uninitialised, and is not loaded")
     return rows
 
 

@@ -141,7 +141,8 @@ def _replicas(plan: ParallelPlan, ctx: DistContext) -> str:
     """' over 2 ranks, replicated 2 times' under HSDP; nothing where every rank holds one shard."""
     if plan.replicate == 1:
         return ""
-    return f" over {ctx.world_size // plan.replicate} ranks, replicated {plan.replicate} times"
+    ranks = ctx.world_size // plan.replicate
+    return f" over {ranks} rank{'s' if ranks != 1 else ''}, replicated {plan.replicate} times"
 
 
 def _check_mesh(plan: ParallelPlan, mesh: DeviceMesh | None) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
@@ -221,10 +221,11 @@ class Session(SessionPlace, SessionSaving):
         return self._made().setup(model, compile_model=compile_model, grad_comm_dtype=grad_comm_dtype,
                                   cast_outputs_to_fp32=cast_outputs_to_fp32, units=units, ddp_options=ddp_options)
 
-    def build_model(self, factory: Callable[[], nn.Module]) -> nn.Module:
-        """`factory()` for `setup`; sharding, each rank builds only its shards' rows, equal to a plain
-        build's from rank 0's stream, never the whole model (collective; docs/sharding.md)."""
-        return self._made().build(factory)
+    def build_model(self, factory: Callable[[], nn.Module], overwritten: Collection[str] = ()) -> nn.Module:
+        """`factory()` for `setup`, drawing no init for the `overwritten` names (weights loaded next:
+        `load_weights`); sharding, each rank builds only its shards' rows, equal to a plain build's
+        from rank 0's stream, never the whole model (collective; docs/sharding.md)."""
+        return self._made().build(factory, overwritten)
 
     def load_weights(self, model: nn.Module, source: str | os.PathLike[str], strict: bool = True) -> LoadedWeights:
         """A set-up model's weights from a .safetensors file or a Hugging Face model directory, by name,

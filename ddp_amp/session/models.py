@@ -15,7 +15,7 @@ state and optimizer state a checkpoint writes sharded), and what was applied to 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -28,8 +28,8 @@ from ddp_amp.amp import AutocastModule, Precision, unwrap_model
 from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.distributed import is_sharded
-from ddp_amp.parallel import (ParallelPlan, ShardOptions, Units, build_sharded, is_built_sharded, parallelize,
-                              release_ddp, shard_slot)
+from ddp_amp.parallel import (ParallelPlan, ShardOptions, Units, build_sharded, build_whole, is_built_sharded,
+                              parallelize, release_ddp, shard_slot)
 from ddp_amp.session.own_stream import OwnStreamReplay
 from ddp_amp.session.same_start import broadcast_from_rank_zero
 
@@ -65,25 +65,26 @@ class SessionModels:
         self._described[made.model] = made.description
         return made.model
 
-    def build(self, factory: Callable[[], nn.Module]) -> nn.Module:
+    def build(self, factory: Callable[[], nn.Module], overwritten: Collection[str] = ()) -> nn.Module:
         """`factory()`, or under sharding each rank's shards of it only (collective; see `Session.build_model`)."""
         if self.shard is None or self.ctx.mesh is None:
-            return factory()
+            return build_whole(factory, overwritten)
         own = torch.get_rng_state()
         first = [own]
         if self.ctx.world_size > 1:
             # Rank 0's stream everywhere, as the rank-0 broadcast of a plain build gives: every
             # rank's rows then come from one model. (An object broadcast works on NCCL too.)
             dist.broadcast_object_list(first, src=0)
+        skipped = frozenset(overwritten)
         if torch.equal(own, first[0]):
-            return build_sharded(factory, shard_slot(self.ctx.mesh))
+            return build_sharded(factory, shard_slot(self.ctx.mesh), skipped)
         # Seeded apart (dropout, data order): this rank's own stream goes on from where a
-        # plain build would leave it (own_stream.py).
+        # plain build would leave it (own_stream.py), for the draws the build makes.
         torch.set_rng_state(first[0])
         replay = OwnStreamReplay(own)
         try:
             with replay:
-                model = build_sharded(factory, shard_slot(self.ctx.mesh))
+                model = build_sharded(factory, shard_slot(self.ctx.mesh), skipped)
         finally:
             torch.set_rng_state(replay.own)
         return model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -26,15 +27,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def prepare_task(config: TrainConfig, session: Session) -> Task:
+def prepare_task(config: TrainConfig, session: Session,
+                 check_weights: Callable[[Task], Collection[str]] | None = None) -> Task:
     """Check the batch geometry, build the task with the same model on every rank, check the
     options that name its metrics, then seed each rank's own streams (dropout, augmentation)
-    with `seed + rank`."""
+    with `seed + rank`. `check_weights(task)`, before the model is built: the names of the
+    parameters a load fills next (pretrained weights), whose init the build need not draw."""
     config.data_options().micro_batch_size(session.world_size)  # fail on a bad batch size before any work
     seed_everything(config.seed)  # same model init on every rank
     task = load_task(config.task, config)
+    overwritten = check_weights(task) if check_weights is not None else ()
     if task.build_model is not None and not session.sharded:
-        task.model = build_task_model(session, config, task)
+        task.model = build_task_model(session, config, task, overwritten)
     if task.model is not None:  # else it is built sharded with the Trainer, which checks them then
         check_metric_options(config, task, session)
     seed_everything(config.seed + session.rank)
@@ -60,15 +64,17 @@ def check_metric_options(config: TrainConfig, task: Task, session: Session, mode
 
 
 def build_trainer(session: Session, config: TrainConfig, run_log: RunLog | None = None, *,
-                  task: Task | None = None, checkpoint_root: Path | None = None) -> Trainer:
+                  task: Task | None = None, checkpoint_root: Path | None = None,
+                  overwritten: Collection[str] = ()) -> Trainer:
     """A Trainer for this rank of `session` (collective: DDP's wrap broadcasts the weights).
 
     `task` defaults to the config's, made by `prepare_task`; pass it where the caller made
     it earlier (the CLI checks everything before it writes anything). `run_log` defaults to
-    a quiet one; without `checkpoint_root` nothing is saved.
+    a quiet one; without `checkpoint_root` nothing is saved. `overwritten`: parameters the
+    caller loads next, whose init the build does not draw.
     """
     task = task if task is not None else prepare_task(config, session)
-    trainer = Trainer(session, config, task, run_log or QuietRunLog(session.rank), checkpoint_root)
+    trainer = Trainer(session, config, task, run_log or QuietRunLog(session.rank), checkpoint_root, overwritten)
     if task.model is None:  # built by the Trainer: its metrics could not be checked before
         check_metric_options(config, task, session, session.unwrap(trainer.model))
     return trainer

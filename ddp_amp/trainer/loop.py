@@ -16,6 +16,7 @@ Between steps, the cadences (cadences.py) evaluate, log, save and watch for pree
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -57,27 +58,28 @@ def _called_in_step(model: nn.Module, batch_loss: BatchLoss) -> nn.Module:
     return model
 
 
-def build_task_model(session: Session, config: TrainConfig, task: Task) -> nn.Module:
+def build_task_model(session: Session, config: TrainConfig, task: Task, overwritten: Collection[str] = ()) -> nn.Module:
     """`Task.build_model`'s model, on torch seeded by `--seed` (each rank's streams are left as
-    they were); under --shard each rank builds only its shards of it (`Session.build_model`)."""
+    they were), drawing no init for the `overwritten` parameters; under --shard each rank
+    builds only its shards of it (`Session.build_model`)."""
     if task.build_model is None:
         raise UsageError("Task", task.name or "a task", "a model= or a build_model= function",
                          "return ddp_amp.Task(model=...) or Task(build_model=...)")
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(config.seed)
-        return session.build_model(task.build_model)
+        return session.build_model(task.build_model, overwritten)
 
 
 class Trainer:
     """The task's model, optimizer and data on one rank of a session, and the loop over them."""
 
     def __init__(self, session: Session, config: TrainConfig, task: Task, run_log: RunLog,
-                 checkpoint_root: Path | None = None) -> None:
+                 checkpoint_root: Path | None = None, overwritten: Collection[str] = ()) -> None:
         self.session, self.config, self.task, self.run_log = session, config, task, run_log
         ctx, self.device = session.ctx, session.device
         parallel, guard, data = config.parallel_options(), config.guard_options(), config.data_options()
-        model = task.model if task.model is not None else build_task_model(session, config, task)
+        model = task.model if task.model is not None else build_task_model(session, config, task, overwritten)
         self.model = session.setup(model, compile_model=parallel.compile, grad_comm_dtype=parallel.grad_comm_dtype,
                                    units=task.shard_units, **({"static_graph": True} if parallel.static_graph else {}))
         self.layout = session.describe(self.model)  # what the start line says of the model

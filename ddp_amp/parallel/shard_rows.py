@@ -1,0 +1,155 @@
+"""What a parameter holds while a model is built sharded (`meta_init`): this rank's rows.
+
+`ShardSlot` says which rows are this rank's (those `fully_shard`'s `Shard(0)` gives it).
+`BuildValues` holds them for a parameter and every alias of it; the one parameter whose
+init code is running (the build's current one) holds its full values as well, or a fill of
+it (`Fill`) whose rows alone were computed and which is made again in full only if init
+code reads it. Everything large lives in memory mappings of its own (`host_pages`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from ddp_amp.parallel.host_pages import mapped_copy, mapped_empty
+from ddp_amp.parallel.init_skip import SkipPlan
+from ddp_amp.parallel.row_draws import FILLS, PIECE, fill_rows, replay
+
+
+@dataclass(frozen=True)
+class ShardSlot:
+    """Where this rank's rows lie: `index` of `size` chunks along dimension 0."""
+
+    size: int = 1
+    index: int = 0
+
+    def rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of `full`, as `fully_shard`'s `Shard(0)` keeps them (possibly none)."""
+        if full.dim() == 0:
+            return full
+        chunks = torch.chunk(full, self.size, dim=0)
+        if self.index < len(chunks):
+            return chunks[self.index]
+        return full.narrow(0, 0, 0)
+
+    def flat_range(self, shape: torch.Size) -> tuple[int, int]:
+        """Where `rows` lie in a contiguous tensor of `shape`, flattened: `[start, stop)`."""
+        if not shape:
+            return 0, 1
+        per_row, height = math.prod(shape[1:]), -(-shape[0] // self.size) if shape[0] else 0
+        start = min(self.index * height, shape[0])
+        return start * per_row, min(start + height, shape[0]) * per_row
+
+
+def shard_slot(mesh: DeviceMesh) -> ShardSlot:
+    """This rank's slot on the mesh's sharding dimension (replicas of HSDP share a slot)."""
+    if mesh.ndim == 1:
+        return ShardSlot(mesh.size(), mesh.get_local_rank())
+    return ShardSlot(mesh.size(1), mesh.get_local_rank(1))
+
+
+class SlotBuild:
+    """One build's state: the one tensor whose init code is running (held in full, or as a
+    fill it can replay), and a scratch piece per dtype for fills drawn piece by piece."""
+
+    def __init__(self, slot: ShardSlot, plan: SkipPlan | None = None) -> None:
+        self.slot, self.plan = slot, plan
+        self.current: BuildValues | None = None
+        self.registered = 0  # parameters registered so far (the plan's index)
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+
+    def scratch(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        held = self._scratch.get(dtype)
+        if held is None or held.numel() < min(numel, PIECE + 15):
+            held = self._scratch[dtype] = mapped_empty((min(numel, PIECE + 15),), dtype)
+        return held
+
+    def finish(self) -> None:
+        if self.current is not None:
+            self.current.cut()
+        self._scratch.clear()
+
+
+class BuildValues:
+    """What a parameter (and every alias of it) holds: this rank's rows, and while it is the
+    build's current tensor, the full tensor too, or the fill that made it (`Fill`): its rows
+    were drawn piece by piece, and the full tensor is made again only if init code reads it."""
+
+    def __init__(self, build: SlotBuild, rows: torch.Tensor, label: str, part: bool = False,
+                 skipped: bool = False) -> None:
+        self.build, self.rows, self.label = build, rows, label
+        self.full: torch.Tensor | None = None
+        self.fill: Fill | None = None
+        # A view of a part of a parameter (a row, a column) no longer held in full: its
+        # elements are not this rank's rows, so any write into it is refused.
+        self.part = part
+        # Left uninitialised (zeros), writes ignored: a load overwrites it (init_skip.py).
+        self.skipped = skipped
+
+    def _become_current(self) -> None:
+        if self.build.current is not None and self.build.current is not self:
+            self.build.current.cut()
+        self.build.current = self
+
+    def start_full(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Hold this tensor in full from now on (its old values are about to be overwritten)."""
+        if self.full is None:
+            self._become_current()
+            self.fill = None
+            self.full = mapped_empty(shape, dtype)
+        return self.full
+
+    def fill_rows(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], shape: torch.Size,
+                  dtype: torch.dtype) -> None:
+        """Overwrite the whole tensor with a fill (a constant, or random: row_draws.py), computing
+        only this rank's rows of it."""
+        self._become_current()
+        self.full = None
+        state = None
+        if func.overloadpacket.__name__ in FILLS:
+            numel = math.prod(shape)
+            state = fill_rows(func, args, kwargs, numel, dtype, self.build.slot.flat_range(shape),
+                              self.rows.view(-1), self.build.scratch(dtype, numel))
+        else:
+            func(self.rows, *args, **kwargs)
+        self.fill = Fill(func, args, kwargs, state)
+
+    def full_values(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The full tensor, made again from its fill if only that is held."""
+        if self.full is None and self.fill is not None:
+            fill, self.fill = self.fill, None
+            self.full = replay(fill.func, fill.args, fill.kwargs, fill.state, mapped_empty(shape, dtype))
+        if self.full is None:  # callers check _in_full first
+            raise RuntimeError(f"{self.label}: its full values are not held here")
+        return self.full
+
+    def cut(self) -> None:
+        """Keep the rows of the full tensor and let the rest go (a fill's rows are kept already)."""
+        if self.full is not None:
+            self.rows.copy_(self.build.slot.rows(self.full))
+        self.full = self.fill = None
+        self.build.current = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> BuildValues:
+        # `copy.deepcopy` of a parameter copies its attributes too: a copy of the values, in the same build.
+        return self.copied()
+
+    def copied(self) -> BuildValues:
+        source = self.build.slot.rows(self.full) if self.full is not None else self.rows
+        return BuildValues(self.build, mapped_copy(source), self.label, skipped=self.skipped)
+
+
+@dataclass(frozen=True)
+class Fill:
+    """A fill whose rows alone were computed: a constant's, or a random one's drawn piece by
+    piece, with the generator state it started from."""
+
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    state: torch.Tensor | None
