@@ -109,11 +109,11 @@ class BackgroundSaver:
 
     def start(self, target: Path, files: dict[str, Any], meta: Meta, device: torch.device, world_size: int,
               keep_last: int, group: Any, retention: Retention | None = None,
-              sharded: dict[str, Any] | None = None) -> None:
+              sharded: dict[str, Any] | None = None, values: dict[str, Any] | None = None) -> None:
         """Start writing the checkpoint `target` (collective); returns once it is copied and
         a sharded state's write has started.
 
-        `files`, `meta`, `keep_last` and `sharded` as for `save.save_checkpoint`; `group`: the
+        `files`, `meta`, `keep_last`, `sharded` and `values` as for `save.save_checkpoint`; `group`: the
         saves' own process group (None without one). A value that would not load back
         raises UsageError on every rank, as there. Call `wait` for the previous write first.
         """
@@ -121,7 +121,7 @@ class BackgroundSaver:
             raise RuntimeError(f"checkpoint {self._write.target} is still being written: wait() first")
         rng_state = capture_rng(device)  # fresh objects: nothing to copy
         contents: dict[str, Any] = {}  # rank 0's files, copied off the live state
-        folders = scratch_folders(sharded is not None)
+        folders = scratch_folders(sharded is not None, bool(values))
         path, failure = on_rank_zero(lambda: prepare(target, self._staging.copy(files), meta, world_size, contents,
                                                      folders))
         write = _Write(target)
@@ -133,7 +133,7 @@ class BackgroundSaver:
         shards = BackgroundShards(scratch / SHARDED_DIR, sharded, group) if sharded is not None else None
 
         def work() -> Outcome | None:
-            report = write_own_files(scratch, rank, rng_state, shards.records if shards is not None else None)
+            report = write_own_files(scratch, rank, rng_state, shards.records if shards is not None else None, values)
             reports = gather_reports(report, torch.device("cpu"), group)  # the saves' group: gloo, on the CPU
             if reports is None:  # not rank 0: rank 0 commits
                 return None

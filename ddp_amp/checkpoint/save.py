@@ -4,7 +4,8 @@
    target is ours to replace, and makes the scratch directory; every rank learns its path,
    or the refusal, before anything is written (`distributed.on_rank_zero`).
 2. Every rank writes its own files into it (rank_files.py): its DCP shards where the state
-   is sharded, its RNG file and its record, each hashed as it is written.
+   is sharded, its RNG file, its values of the per-rank entries (rank_values.py) and its
+   record, each hashed as it is written.
 3. One gather of fixed-size reports (rank_reports.py) tells rank 0 that every rank's files
    are whole, or why one is not; rank 0 writes its files and the manifest and renames the
    directory into place (commit.py), and every rank learns the committed path or why there
@@ -37,6 +38,7 @@ from ddp_amp.checkpoint.manifest import MANIFEST_NAME, SHARDED_DIR, FileRecord, 
 from ddp_amp.checkpoint.meta import META_FILE, Meta
 from ddp_amp.checkpoint.rank_files import OWN_FOLDERS, write_own_files
 from ddp_amp.checkpoint.rank_reports import Reports, gather_reports
+from ddp_amp.checkpoint.rank_values import PER_RANK_DIR
 from ddp_amp.checkpoint.retention import Retention
 from ddp_amp.checkpoint.rng import capture_rng
 from ddp_amp.checkpoint.safe_types import check_loadable
@@ -95,9 +97,9 @@ def build_contents(files: dict[str, Any], meta: Meta, world_size: int) -> dict[s
     return {**files, META_FILE: description.encode()}
 
 
-def scratch_folders(sharded: bool) -> tuple[str, ...]:
+def scratch_folders(sharded: bool, per_rank: bool = False) -> tuple[str, ...]:
     """The folders of a scratch directory the ranks write their own files into."""
-    return OWN_FOLDERS + ((SHARDED_DIR,) if sharded else ())
+    return OWN_FOLDERS + ((PER_RANK_DIR,) if per_rank else ()) + ((SHARDED_DIR,) if sharded else ())
 
 
 def prepare(target: Path, files: dict[str, Any], meta: Meta, world_size: int, contents: dict[str, Any],
@@ -158,26 +160,26 @@ def this_rank() -> int:
 
 def save_checkpoint(target: Path, files: dict[str, Any], meta: Meta, device: torch.device, world_size: int,
                     keep_last: int = 0, retention: Retention | None = None,
-                    sharded: dict[str, Any] | None = None) -> SaveResult:
+                    sharded: dict[str, Any] | None = None, values: dict[str, Any] | None = None) -> SaveResult:
     """Commit a checkpoint as the directory `target` (collective; see the module's docstring):
     rank 0's `files`, and, where given, the `sharded` state (DCP's form) every rank writes
-    its part of. Where `target` is a `step-N` directory, retention then keeps the newest
-    `keep_last` of its siblings (0 keeps all), through `retention` where given (deleted in
-    the background).
+    its part of and each rank's own per-rank `values`. Where `target` is a `step-N`
+    directory, retention then keeps the newest `keep_last` of its siblings (0 keeps all),
+    through `retention` where given (deleted in the background).
 
     A write that fails for the disk's sake (full, read-only), on any rank, comes back as
     `SaveResult.error` on every rank; state that would not load back, or a `target` that is
     not ours to replace, raises UsageError on every rank; either way nothing older is touched.
     """
     contents: dict[str, Any] = {}
-    folders = scratch_folders(sharded is not None)
+    folders = scratch_folders(sharded is not None, bool(values))
     path, failure = on_rank_zero(lambda: prepare(target, files, meta, world_size, contents, folders))
     if path is None:
         return SaveResult(None, failure)
     scratch = Path(path)
     writer = HashingShardWriter(scratch / SHARDED_DIR) if sharded is not None else None
     shards = partial(write_shards, writer, sharded) if writer is not None and sharded is not None else None
-    reports = gather_reports(write_own_files(scratch, this_rank(), capture_rng(device), shards), device)
+    reports = gather_reports(write_own_files(scratch, this_rank(), capture_rng(device), shards, values), device)
     path, failure = on_rank_zero(lambda: commit_reported(
         target, scratch, reports, contents, writer.map_record() if writer is not None else {}, folders, keep_last,
         retention))
