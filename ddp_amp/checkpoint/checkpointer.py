@@ -7,8 +7,9 @@ Finding and reading check on each rank only the files that rank reads, agreed (v
 Saving is collective: every rank calls it; each rank writes and hashes its own files (its
 RNG states, its values of the per-rank entries, its shards of a sharded state) and rank 0
 commits through `ddp_amp.checkpoint`'s protocol once every rank reported them whole
-(temporary directory, fsync, manifest, atomic rename, retention after the commit, its
-deletions in a thread of rank 0's). A background save returns once the state is copied to host memory;
+(temporary directory, fsync, manifest, atomic rename, retention after the commit: each rank
+deletes its own files of the checkpoints let go, in a thread of its own, and rank 0 what is
+left). A background save returns once the state is copied to host memory;
 each rank's writer thread writes its files and rank 0's commits, one write in flight, and
 the outcome reaches every rank at the next save or `wait`. A failed write raises the same
 `CheckpointError` on every rank, wherever it is learned; older checkpoints stay.
@@ -81,7 +82,7 @@ class Checkpointer:
         self.ctx, self.precision, self.scaler, self.warn = ctx, precision, scaler, warn
         self._background = BackgroundSaver()
         self._group: dist.ProcessGroup | None = None
-        self._retention = Retention()  # rank 0's: old checkpoints deleted while training goes on
+        self._retention = Retention()  # this rank's part: old checkpoints deleted while training goes on
         self._verified: set[Path] = set()  # checkpoints every rank has checked its files of
 
     def _save_group(self) -> dist.ProcessGroup | None:
@@ -125,6 +126,7 @@ class Checkpointer:
             return None
         result = save_checkpoint(target, files, description, self.ctx.device, self.ctx.world_size, keep_last,
                                  self._retention, shards, own)
+        self._retention.let_go_own(result.retired, self.ctx.rank, self.ctx.world_size)
         if result.error is not None:
             raise mark_agreed(result.error, 0)  # the same outcome on every rank
         return Saved(target, time.perf_counter() - started)
@@ -135,16 +137,19 @@ class Checkpointer:
         finished = self._background.wait()
         if finished is None:
             return None
+        self._retention.let_go_own(finished.retired, self.ctx.rank, self.ctx.world_size)
         if finished.path is None:
             raise mark_agreed(finished.error, 0)  # type: ignore[arg-type]  # no path: it failed, error is set
         return Saved(finished.path, finished.write_s, background=True)
 
     def join_locally(self) -> None:
-        """At the end of a session, or on a failure path: let rank 0's write finish or fail,
-        and retention's deletion end, talking to no other rank. After it the folder holds
-        only what retention kept, so a caller that lists it sees no `.tmp-retired-` names."""
+        """At the end of a session, or on a failure path: let this rank's write finish or
+        fail, and its part of retention's deletion end, talking to no other rank; rank 0
+        then removes what is left of the checkpoints retention let go. After it rank 0's
+        folder holds only what retention kept: a caller that lists it sees no `.tmp-retired-`
+        names."""
         self._background.join_locally()
-        self._retention.wait()
+        self._retention.end(remove_remains=self.ctx.rank == 0)
 
     def read(self, path: Path, check: Callable[[SavedState], T] | None = None,
              what: str = "checkpoint") -> tuple[SavedState, T | None]:

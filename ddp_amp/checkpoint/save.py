@@ -9,7 +9,8 @@
 3. One gather of fixed-size reports (rank_reports.py) tells rank 0 that every rank's files
    are whole, or why one is not; rank 0 writes its files and the manifest and renames the
    directory into place (commit.py), and every rank learns the committed path or why there
-   is none.
+   is none, and which checkpoints retention retired, to delete its own files of them
+   (retention.py).
 Rank 0's work does not grow with the number of ranks, apart from that gather: it lists no
 folder the ranks write into and reads none of their files. No rank carries on believing a
 checkpoint exists that does not, and no rank waits on a rank 0 that failed. `background.py`
@@ -49,14 +50,18 @@ from ddp_amp.version import __version__
 
 _NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 Outcome = tuple[str | None, CheckpointError | None]  # the committed path, or why there is none
+# ... and the checkpoints retention retired in the commit, whose files each rank deletes its own of
+Committed = tuple[str | None, CheckpointError | None, list[str]]
 
 
 @dataclass(frozen=True)
 class SaveResult:
-    """The outcome every rank sees: the committed directory, or why there is none."""
+    """The outcome every rank sees: the committed directory, or why there is none, and the
+    checkpoints retention retired (each rank deletes its own files of them)."""
 
     path: Path | None
     error: CheckpointError | None
+    retired: tuple[str, ...] = ()
 
 
 def write_failure(target: Path, error: OSError) -> CheckpointError:
@@ -137,21 +142,22 @@ def commit_outcome(target: Path, commit: Callable[[dict[str, Any]], Path], conte
 
 def commit_reported(target: Path, scratch: Path, reports: Reports | None, contents: dict[str, Any],
                     shared: dict[str, FileRecord], folders: tuple[str, ...], keep_last: int,
-                    retention: Retention | None, outcome: Callable[..., Outcome] = commit_outcome) -> Outcome:
+                    retention: Retention | None, outcome: Callable[..., Outcome] = commit_outcome) -> Committed:
     """Rank 0: commit `scratch` as `target` once every rank reported its own files whole
     (`reports`, gathered), with rank 0's `contents` and the `shared` files written there
     already (the shards' map); through `outcome` (`commit_outcome`). A rank's failure
     removes the scratch directory and is the outcome. `keep_last` and `retention` as for
-    `commit_checkpoint`."""
+    `commit_checkpoint`; the outcome names what `retention` retired."""
     if reports is None:
         raise RuntimeError("only rank 0 commits a checkpoint: it alone holds the gathered reports")
     failed = reports.first_failure()
     if failed is not None:
         shutil.rmtree(scratch, ignore_errors=True)
-        return None, write_failure(target, OSError(failed))
+        return None, write_failure(target, OSError(failed)), []
     written = Written(scratch, shared, folders, RanksRecord(reports.count, reports.digest().hex()))
-    return outcome(target, partial(commit_checkpoint, target, keep_last=keep_last, written=written,
-                                   retention=retention), contents)
+    path, error = outcome(target, partial(commit_checkpoint, target, keep_last=keep_last, written=written,
+                                          retention=retention), contents)
+    return path, error, retention.take_retired() if retention is not None else []
 
 
 def this_rank() -> int:
@@ -165,7 +171,8 @@ def save_checkpoint(target: Path, files: dict[str, Any], meta: Meta, device: tor
     rank 0's `files`, and, where given, the `sharded` state (DCP's form) every rank writes
     its part of and each rank's own per-rank `values`. Where `target` is a `step-N`
     directory, retention then keeps the newest `keep_last` of its siblings (0 keeps all),
-    through `retention` where given (deleted in the background).
+    through `retention` where given (the caller's to pass `SaveResult.retired` on to every
+    rank's `Retention.let_go_own`), else deleted here.
 
     A write that fails for the disk's sake (full, read-only), on any rank, comes back as
     `SaveResult.error` on every rank; state that would not load back, or a `target` that is
@@ -179,11 +186,13 @@ def save_checkpoint(target: Path, files: dict[str, Any], meta: Meta, device: tor
     scratch = Path(path)
     writer = HashingShardWriter(scratch / SHARDED_DIR) if sharded is not None else None
     shards = partial(write_shards, writer, sharded) if writer is not None and sharded is not None else None
+    if retention is not None:
+        retention.wait()  # this rank's files of what the last commit retired are gone before it reports
     reports = gather_reports(write_own_files(scratch, this_rank(), capture_rng(device), shards, values), device)
-    path, failure = on_rank_zero(lambda: commit_reported(
+    path, failure, retired = on_rank_zero(lambda: commit_reported(
         target, scratch, reports, contents, writer.map_record() if writer is not None else {}, folders, keep_last,
         retention))
-    return SaveResult(Path(path) if path else None, failure)
+    return SaveResult(Path(path) if path else None, failure, tuple(retired))
 
 
 def ensure_writable(root: Path, run_dir: Path) -> None:
