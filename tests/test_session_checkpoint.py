@@ -59,6 +59,16 @@ class _Custom:
     pass
 
 
+def test_a_checkpoint_saved_again_under_one_name_replaces_its_old_copy_each_time(tmp_path: Path) -> None:
+    # Each save retires the copy it replaces; what is left of the last one may still be
+    # there when the next save retires its own.
+    with Session("fp32", "cpu", environ={}) as session:
+        for step in range(4):
+            session.save(tmp_path / "best", {"step": step})
+        assert session.load(tmp_path / "best", {})["step"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
+
+
 def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     script = str(REPO_ROOT / "tests/scripts/session_save_loop.py")

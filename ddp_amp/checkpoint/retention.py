@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,8 +60,11 @@ def doomed_checkpoints(root: Path, keep_last: int, newest: Path) -> list[Path]:
 
 
 def _retire(path: Path) -> Path | None:
-    """Rename `path` out of discovery's sight; the new name, or None where that failed."""
-    retired = path.with_name(f"{RETIRED_PREFIX}{path.name.removeprefix(SCRATCH_PREFIX)}-{os.getpid()}")
+    """Rename `path` out of discovery's sight; the new name, or None where that failed. The
+    name is this retirement's alone: what is left of the last one of the same directory may
+    still be there (a checkpoint saved again under one name retires its old copy each time)."""
+    retired = path.with_name(f"{RETIRED_PREFIX}{path.name.removeprefix(SCRATCH_PREFIX)}-{os.getpid()}-"
+                             f"{uuid.uuid4().hex[:8]}")
     try:
         os.rename(path, retired)
     except OSError as error:
