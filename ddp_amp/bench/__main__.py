@@ -67,8 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         "trainer on an mlp of 8 layers of width 4096 x --scale (101M parameters and AdamW state at scale 1); "
         "(resume) each rank's verification time and bytes hashed when a sharded checkpoint is found again, "
         "on 1, 2 and 4 gloo ranks, against its own files plus the replicated files; then rank 0's time and "
-        "file operations at save, at resume and for retention's deletion with --resume-ranks emulated ranks' "
-        "files on local disk; (data) "
+        "file operations at save and at resume with --resume-ranks emulated ranks' files on local disk; (data) "
         "tokenizing JSON lines per core against datasets.map, the causal_lm loader's draw against its step, a "
         "rank's memory with 1e9 windows. "
         "Defaults depend on the device: recipe sizes on CUDA, 1/16 of them and short runs on CPU.")
