@@ -1,7 +1,10 @@
 """Checkpoints written by earlier code still resume: the CLI's `--resume` and `Session.load`,
 from copies of tests/fixtures/checkpoint_v0 (every rank's RNG in one rng.pt) and, by
 `Session.load`, the export and discovery, of tests/fixtures/checkpoint_v1 (manifest format
-1, listing every rank's files); see their READMEs for how they were made."""
+1, listing every rank's files); a per-rank entry of tests/fixtures/checkpoint_v2 (every
+rank's values in one file of rank 0's) is refused on another number of ranks, as each rank's
+own file is (tests/test_checkpoint_ownership.py reads it on as many ranks); see their READMEs
+for how they were made."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from ddp_amp import Session
+from ddp_amp import Session, UsageError
 from ddp_amp.checkpoint import newest_complete, verify_checkpoint
 from ddp_amp.checkpoint.meta import Meta, read_meta
 from ddp_amp.export import main as export_main
@@ -22,6 +25,7 @@ from tests.multiproc import run_train
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoint_v0"
 FORMAT_1 = Path(__file__).parent / "fixtures" / "checkpoint_v1"
+PER_RANK_FILES = Path(__file__).parent / "fixtures" / "checkpoint_v2" / "carried" / "checkpoints" / "step-00000004"
 STEP = "step-00000003"
 TINY = ["--task", "mlp", "--device", "cpu", "--seed", "0", "--batch-size", "8", "--eval-every", "0",
         "--task-opt", "in_size=8", "--task-opt", "hidden=16", "--task-opt", "out_size=4", "--task-opt", "layers=2",
@@ -109,3 +113,14 @@ def test_meta_keeps_a_callers_own_keys_and_reads_an_older_record() -> None:
     assert meta.step == 7 and meta.extra == {"note": "mine"} and meta.to_dict() == {"step": 7, "note": "mine"}
     assert meta.modules is None and meta.per_rank is None  # before meta.json listed them
     assert meta.merged({"world_size": 2}).to_dict() == {"step": 7, "note": "mine", "world_size": 2}
+
+
+def test_a_per_rank_entry_of_the_format_before_loads_only_on_as_many_ranks(tmp_path: Path) -> None:
+    checkpoint = shutil.copytree(PER_RANK_FILES, tmp_path / PER_RANK_FILES.name)
+    with Session("fp32", "cpu", environ={}) as session:
+        saved, _ = session.read(checkpoint)
+        assert saved.per_rank_keys == ("task_state",) and saved.per_rank_ranks == 2
+        own = torch.load(checkpoint / "task_state.pt", weights_only=True)["ranks"][0]
+        assert torch.equal(saved.per_rank["task_state"]["value"], own["value"])  # rank 0's, read from all of them
+        with pytest.raises(UsageError, match=r"a per-rank entry saved by 1 rank\(s\).*it was saved by 2"):
+            session.load(checkpoint, {"task_state": object()})

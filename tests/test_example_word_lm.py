@@ -119,7 +119,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
 
     def stopped_then_resumed() -> tuple[Run, Any, Run]:
         first_half = run_plugin(root / "plugin", STOP_AT)
-        hidden = _ckpt(first_half, STOP_AT, "task_state.pt")["ranks"]
+        hidden = _ckpt(first_half, STOP_AT, "per_rank/rank-00000.pt")["task_state"]  # the one rank's own
         return first_half, hidden, run_plugin(root / "plugin", STEPS)
 
     with ThreadPoolExecutor(max_workers=2) as lanes:  # submitted longest first
@@ -225,7 +225,7 @@ def test_a_stopped_and_resumed_run_goes_on_bitwise_hidden_state_included(runs: R
     assert f"resumed from {resumed.directory / 'checkpoints' / f'step-{STOP_AT:08d}'}" in resumed.stdout
     # The carried (h, c) went through the checkpoint: mid-pass at the stop, so not zeros.
     saved = runs.hidden_at_stop
-    assert len(saved) == 1 and all(part.abs().sum() > 0 for part in saved[0]["value"])
+    assert all(part.abs().sum() > 0 for part in saved["value"])
     # Every step before and after the stop is the uninterrupted loop's (metrics.jsonl keeps
     # the first run's steps), through more LR drops and into a second pass over the text.
     assert sorted(resumed.losses()) == list(range(1, STEPS + 1))
@@ -236,7 +236,7 @@ def test_a_stopped_and_resumed_run_goes_on_bitwise_hidden_state_included(runs: R
     # And it ends in the same state: the carried hidden state and the weights, bit for bit.
     twin = torch.load(session.directory / "last" / "state.pt", weights_only=True)
     twin_weights = torch.load(session.directory / "last" / "model.pt", weights_only=True)
-    hidden = _ckpt(resumed, STEPS, "task_state.pt")["ranks"][0]["value"]
+    hidden = _ckpt(resumed, STEPS, "per_rank/rank-00000.pt")["task_state"]["value"]
     assert all(torch.equal(mine, its) for mine, its in zip(hidden, twin["hidden"]["value"], strict=True))
     weights = _ckpt(resumed, STEPS, "model.pt")
     assert weights.keys() == twin_weights.keys()

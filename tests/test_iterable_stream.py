@@ -69,7 +69,8 @@ def test_a_streamed_run_resumes_bitwise_on_two_ranks_with_workers(tmp_path: Path
     load = lambda run, name: torch.load(run / "checkpoints" / "step-00000016" / name, weights_only=True)  # noqa: E731
     a, b = load(straight, "model.pt"), load(halves, "model.pt")
     assert all(torch.equal(a[name], b[name]) for name in a)
-    positions = load(straight, "data.pt")["ranks"]
-    assert len(positions) == 2 and all(p["epoch"] == 1 for p in positions)
+    positions = [load(straight, f"per_rank/rank-0000{rank}.pt") for rank in (0, 1)]  # each rank's own file
+    assert all(set(own) == {"data"} and own["data"]["epoch"] == 1 for own in positions)
+    assert positions[0]["data"] != positions[1]["data"]  # each its own stream's position, not a list of all
     other = _run(halves, 20, nproc=0)
     assert other.returncode == 2 and "the data position is per rank" in other.stderr

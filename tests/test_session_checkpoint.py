@@ -59,6 +59,16 @@ class _Custom:
     pass
 
 
+def test_a_checkpoint_saved_again_under_one_name_replaces_its_old_copy_each_time(tmp_path: Path) -> None:
+    # Each save retires the copy it replaces; what is left of the last one may still be
+    # there when the next save retires its own.
+    with Session("fp32", "cpu", environ={}) as session:
+        for step in range(4):
+            session.save(tmp_path / "best", {"step": step})
+        assert session.load(tmp_path / "best", {})["step"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
+
+
 def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     script = str(REPO_ROOT / "tests/scripts/session_save_loop.py")
@@ -111,6 +121,12 @@ def _two_rank_session_checkpoint(ctx: DistContext, directory: str) -> dict[str, 
             session.save(Path(directory) / "other", {"fn": (lambda: 0) if ctx.rank == 0 else 1})
         except UsageError as error:
             errors["rank0_only"] = str(error)
+        # A per-rank value only rank 1 holds that would not load back: each rank checks its
+        # own, and rank 1's refusal is every rank's, before anything is written.
+        try:
+            session.save(Path(directory) / "per-rank", {"step": 1}, per_rank={"cursor": (lambda: 0) if ctx.rank else 1})
+        except UsageError as error:
+            errors["rank1_per_rank"] = str(error)
     return {"epoch": int(loaded["epoch"]), "rng_restored": torch.equal(expected, restored),
             "own_stream": expected, "errors": errors}
 
@@ -119,8 +135,9 @@ def test_two_ranks_save_and_load_agree_and_fail_together(tmp_path: Path) -> None
     results = run_ranks(_two_rank_session_checkpoint, 2, str(tmp_path), timeout=240)
     for result in results:
         assert result["epoch"] == 3 and result["rng_restored"]
-        assert set(result["errors"]) == {"lambda", "missing", "rank0_only"}, result["errors"]
+        assert set(result["errors"]) == {"lambda", "missing", "rank0_only", "rank1_per_rank"}, result["errors"]
         assert "state.pt['fn']" in result["errors"]["lambda"]
+        assert "per_rank['cursor']" in result["errors"]["rank1_per_rank"], result["errors"]
         assert "not_saved" in result["errors"]["missing"]
     assert not torch.equal(results[0]["own_stream"], results[1]["own_stream"])  # each rank its own RNG
-    assert not (tmp_path / "other").exists()
+    assert not (tmp_path / "other").exists() and not (tmp_path / "per-rank").exists()

@@ -1,5 +1,6 @@
 """`Task.state`: what a task carries across steps (a TBPTT hidden state) is saved per rank
-in every checkpoint and given back on resume, so the run continues bit for bit."""
+in every checkpoint, each rank's in its own file, and given back on resume, so the run
+continues bit for bit."""
 
 from __future__ import annotations
 
@@ -29,9 +30,13 @@ def test_a_carried_hidden_state_resumes_bitwise_on_two_ranks_and_only_there(tmp_
     again = _run(halves, 12)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resumed from" in again.stdout
-    states = _load(straight, 12, "task_state.pt")["ranks"]
-    assert len(states) == 2 and not torch.equal(states[0]["value"], states[1]["value"])  # each rank its own
-    resumed = _load(halves, 12, "task_state.pt")["ranks"]
+    # Each rank's file holds its own state, and only its own; rank 0 wrote no file of every rank's.
+    owns = [_load(straight, 12, f"per_rank/rank-0000{rank}.pt") for rank in (0, 1)]
+    assert all(set(own) == {"task_state"} and set(own["task_state"]) == {"value"} for own in owns)
+    states = [own["task_state"] for own in owns]
+    assert not torch.equal(states[0]["value"], states[1]["value"])
+    assert not (straight / "checkpoints" / "step-00000012" / "task_state.pt").exists()
+    resumed = [_load(halves, 12, f"per_rank/rank-0000{rank}.pt")["task_state"] for rank in (0, 1)]
     assert all(torch.equal(a["value"], b["value"]) for a, b in zip(states, resumed))
     a, b = _load(straight, 12, "model.pt"), _load(halves, 12, "model.pt")
     assert all(torch.equal(a[name], b[name]) for name in a)

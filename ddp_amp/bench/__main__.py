@@ -20,7 +20,7 @@ with --check, a target missed).
 Targets (targets.py): host, Trainer / hand in every row, on any device; overhead and
 transformer, a GPU's (not applicable on a CPU, and `--check` says so); resume, no rank
 hashes more than it reads, and rank 0's file operations and time at save and at resume
-flat from 64 to 16,384 emulated ranks; recipe, fastpaths
+(file operations for retention's deletion too) flat from 64 to 16,384 emulated ranks; recipe, fastpaths
 and checkpoint report figures without targets.
 """
 

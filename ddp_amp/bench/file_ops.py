@@ -4,7 +4,8 @@ While a `FileOps` is entered, the functions of `os`, `io` and `builtins` through
 Python code reaches the file system (ddp_amp's own calls, and pathlib's, shutil's,
 torch.save's and torch.load's, which call the same functions) are replaced by wrappers that
 count each call made from the thread that entered it, by kind, and the directory entries
-each listing returns; other threads (retention's deletion, DCP's writers) go uncounted.
+each listing returns; other threads (retention's deletion, DCP's writers) go uncounted,
+unless `all_threads` asks for every thread's calls (a test of what a process touches).
 Reads and writes through an open file are not counted: an open is, once. C code that does
 not go through these functions is not seen (DCP's shards are written through Python file
 objects, so their opens are). Nothing of ddp_amp is changed: the counted code runs as it
@@ -68,14 +69,17 @@ class _CountedListing:
 class FileOps:
     """Counts the file-system calls of the thread that enters it (see the module's docstring).
 
-    `paths`: also keep (kind, path, mode) of every counted call that names a path in `seen`.
+    `paths`: also keep (kind, path, mode) of every counted call that names a path in `seen`;
+    `all_threads`: count the calls of every thread, not only the one that enters it.
     """
 
-    def __init__(self, paths: bool = False) -> None:
+    def __init__(self, paths: bool = False, all_threads: bool = False) -> None:
         self.calls: Counter[str] = Counter()
         self.entries = 0  # directory entries returned by listings
         self.seen: list[tuple[str, str, str]] = []
         self._paths = paths
+        self._all_threads = all_threads
+        self._lock = threading.Lock()  # counted from several threads where all_threads
         self._thread = threading.get_ident()
         self._saved: list[tuple[ModuleType, str, Any]] = []
 
@@ -85,21 +89,23 @@ class FileOps:
 
     def _counting(self, kind: str, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() != self._thread:
+            if not self._all_threads and threading.get_ident() != self._thread:
                 return original(*args, **kwargs)
-            self.calls[kind] += 1
-            if self._paths and args and isinstance(args[0], (str, os.PathLike)):
-                self.seen.append((kind, os.fspath(args[0]), _mode(name, args, kwargs)))
+            with self._lock:
+                self.calls[kind] += 1
+                if self._paths and args and isinstance(args[0], (str, os.PathLike)):
+                    self.seen.append((kind, os.fspath(args[0]), _mode(name, args, kwargs)))
             result = original(*args, **kwargs)
             if name == "listdir":
-                self.entries += len(result)
+                self._add_entries(len(result))
             elif name == "scandir":
                 return _CountedListing(result, self._add_entries)
             return result
         return counted
 
     def _add_entries(self, count: int) -> None:
-        self.entries += count
+        with self._lock:
+            self.entries += count
 
     def __enter__(self) -> FileOps:
         self._thread = threading.get_ident()

@@ -39,7 +39,8 @@ from ddp_amp.session import Session
 RANKS = (1, 2, 4)
 WIDTHS = (256, 1024)  # 4 layers: 0.26M and 4.2M parameters; with AdamW's moments, 3 and 50 MB
 LAYERS = 4
-_OWN = re.compile(r"^(?:sharded/__(\d+)_\d+\.distcp|rng/rank-(\d+)\.pt|ranks/rank-(\d+)\.json)$")  # a rank's own
+# A rank's own files: its shards, its RNG file and per-rank values, its record.
+_OWN = re.compile(r"^(?:sharded/__(\d+)_\d+\.distcp|(?:rng|per_rank)/rank-(\d+)\.pt|ranks/rank-(\d+)\.json)$")
 
 
 def _reads(listed: dict[str, Any], rank: int) -> tuple[int, int]:

@@ -5,17 +5,19 @@
     checkpointer.latest(root); checkpointer.read(path, check); checkpointer.restore(saved, state, ...)
 
 - `checkpointer`: `Checkpointer` and `Saved`, the one way in for the Trainer and `Session`;
-- `layout`: the files of a checkpoint (a module per file, state.pt, per-rank files) and
-  `SavedState`, one read back; `sharded_state`: the entries written as DCP shards;
+- `layout`: the files of a checkpoint (a module per file, state.pt) and `SavedState`, one
+  read back; `sharded_state`: the entries written as DCP shards;
 - `meta`: `Meta`, meta.json as a typed record, read and written there only;
 - `commit`: a directory appears whole or not at all (temporary directory, fsync, manifest,
-  rename); `retention` lets old checkpoints go only after a new one is committed, deleting
-  them in the background;
+  rename); `retention` lets old checkpoints go only after a new one is committed, each rank
+  deleting its own files of them in the background;
 - `manifest`: sizes and sha256 of rank 0's files and a digest over every rank's record, so a
   torn checkpoint is told from a whole one; `verify`: all of it in one process, or on resume
   each rank its share (what it reads), agreed through one gather of fixed-size reports;
 - `rank_files`: each rank's own files (its RNG file, its record of what it wrote), written
   and hashed by that rank (`hashed_write`, and `shard_writer` for its DCP shards);
+  `rank_values`: each rank's own values of the per-rank entries, written and read back by
+  that rank alone;
   `rank_reports`: the one gather of fixed-size reports that tells rank 0 they are whole;
 - `best`: the pointer to the best checkpoint by an eval metric, which retention keeps;
 - `discovery`: `step-N` layout, the newest complete checkpoint, `--resume auto|none|PATH`;

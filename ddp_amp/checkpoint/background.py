@@ -40,7 +40,7 @@ from ddp_amp.checkpoint.rank_files import write_own_files
 from ddp_amp.checkpoint.rank_reports import gather_reports
 from ddp_amp.checkpoint.retention import Retention
 from ddp_amp.checkpoint.rng import capture_rng
-from ddp_amp.checkpoint.save import Outcome, commit_outcome, commit_reported, prepare, scratch_folders, this_rank
+from ddp_amp.checkpoint.save import Committed, commit_outcome, commit_reported, prepare, scratch_folders, this_rank
 from ddp_amp.checkpoint.shard_writer import BackgroundShards
 from ddp_amp.checkpoint.staging import HostStaging
 from ddp_amp.distributed import on_rank_zero
@@ -55,6 +55,7 @@ class FinishedWrite:
     path: Path | None
     error: CheckpointError | None
     write_s: float  # rank 0's time from the thread's start to the commit (or the failure)
+    retired: tuple[str, ...] = ()  # what retention retired in the commit: each rank deletes its own files of them
 
 
 @dataclass
@@ -63,18 +64,18 @@ class _Write:
 
     target: Path
     thread: threading.Thread | None = None
-    outcome: Outcome | None = None
+    outcome: Committed | None = None
     error: BaseException | None = None
     seconds: float = 0.0
 
-    def start(self, work: Callable[[], Outcome | None]) -> None:
+    def start(self, work: Callable[[], Committed | None]) -> None:
         """Run `work` (the write) in a thread of its own; not a daemon: the interpreter lets
         it finish before exiting."""
         self.thread = threading.Thread(target=self._run, args=(work,),
                                        name=f"ddp_amp checkpoint writer ({self.target.name})")
         self.thread.start()
 
-    def _run(self, work: Callable[[], Outcome | None]) -> None:
+    def _run(self, work: Callable[[], Committed | None]) -> None:
         """The writer thread's body: keep whatever happened for `result`."""
         started = time.perf_counter()
         try:
@@ -84,8 +85,8 @@ class _Write:
         finally:
             self.seconds = time.perf_counter() - started
 
-    def result(self) -> tuple[str | None, CheckpointError | None, float]:
-        """Rank 0: wait for the thread; its (path, disk failure, seconds), or its error raised."""
+    def result(self) -> tuple[str | None, CheckpointError | None, list[str], float]:
+        """Rank 0: wait for the thread; its (path, disk failure, retired, seconds), or its error raised."""
         if self.thread is not None:
             self.thread.join()
         if self.error is not None:
@@ -109,11 +110,11 @@ class BackgroundSaver:
 
     def start(self, target: Path, files: dict[str, Any], meta: Meta, device: torch.device, world_size: int,
               keep_last: int, group: Any, retention: Retention | None = None,
-              sharded: dict[str, Any] | None = None) -> None:
+              sharded: dict[str, Any] | None = None, values: dict[str, Any] | None = None) -> None:
         """Start writing the checkpoint `target` (collective); returns once it is copied and
         a sharded state's write has started.
 
-        `files`, `meta`, `keep_last` and `sharded` as for `save.save_checkpoint`; `group`: the
+        `files`, `meta`, `keep_last`, `sharded` and `values` as for `save.save_checkpoint`; `group`: the
         saves' own process group (None without one). A value that would not load back
         raises UsageError on every rank, as there. Call `wait` for the previous write first.
         """
@@ -121,19 +122,21 @@ class BackgroundSaver:
             raise RuntimeError(f"checkpoint {self._write.target} is still being written: wait() first")
         rng_state = capture_rng(device)  # fresh objects: nothing to copy
         contents: dict[str, Any] = {}  # rank 0's files, copied off the live state
-        folders = scratch_folders(sharded is not None)
+        folders = scratch_folders(sharded is not None, bool(values))
         path, failure = on_rank_zero(lambda: prepare(target, self._staging.copy(files), meta, world_size, contents,
                                                      folders))
         write = _Write(target)
         if path is None:  # the disk refused the scratch directory: learned at `wait`, as a failed write is
-            write.outcome = (None, failure)
+            write.outcome = (None, failure, [])
             self._write = write
             return
         scratch, rank = Path(path), this_rank()
         shards = BackgroundShards(scratch / SHARDED_DIR, sharded, group) if sharded is not None else None
 
-        def work() -> Outcome | None:
-            report = write_own_files(scratch, rank, rng_state, shards.records if shards is not None else None)
+        def work() -> Committed | None:
+            if retention is not None:
+                retention.wait()  # this rank's files of what the last commit retired are gone before it reports
+            report = write_own_files(scratch, rank, rng_state, shards.records if shards is not None else None, values)
             reports = gather_reports(report, torch.device("cpu"), group)  # the saves' group: gloo, on the CPU
             if reports is None:  # not rank 0: rank 0 commits
                 return None
@@ -151,8 +154,8 @@ class BackgroundSaver:
             return None
         if write.thread is not None:  # a writer runs on every rank: each its own first
             write.thread.join()
-        path, error, seconds = on_rank_zero(write.result)
-        return FinishedWrite(write.target, Path(path) if path else None, error, seconds)
+        path, error, retired, seconds = on_rank_zero(write.result)
+        return FinishedWrite(write.target, Path(path) if path else None, error, seconds, tuple(retired))
 
     def join_locally(self) -> None:
         """On a failure path: let this rank's writer finish or fail, talking to no other rank."""

@@ -4,11 +4,12 @@
 anything is applied, then restored (DCP shards resharded onto this world, each rank's RNG).
 Finding and reading check on each rank only the files that rank reads, agreed (verify.py).
 
-Saving is collective: every rank calls it; per-rank entries are gathered; each rank writes
-and hashes its own files (its RNG states, its shards of a sharded state) and rank 0 commits
-through `ddp_amp.checkpoint`'s protocol once every rank reported them whole (temporary
-directory, fsync, manifest, atomic rename, retention after the commit, its deletions in a
-thread of rank 0's). A background save returns once the state is copied to host memory;
+Saving is collective: every rank calls it; each rank writes and hashes its own files (its
+RNG states, its values of the per-rank entries, its shards of a sharded state) and rank 0
+commits through `ddp_amp.checkpoint`'s protocol once every rank reported them whole
+(temporary directory, fsync, manifest, atomic rename, retention after the commit: each rank
+deletes its own files of the checkpoints let go, in a thread of its own, and rank 0 what is
+left). A background save returns once the state is copied to host memory;
 each rank's writer thread writes its files and rank 0's commits, one write in flight, and
 the outcome reaches every rank at the next save or `wait`. A failed write raises the same
 `CheckpointError` on every rank, wherever it is learned; older checkpoints stay.
@@ -36,13 +37,14 @@ from ddp_amp.checkpoint.layout import (SCALER_KEY, SavedState, check_keys, layou
                                        state_of)
 from ddp_amp.checkpoint.load import LoadedCheckpoint, read_agreed, restore_scaler
 from ddp_amp.checkpoint.meta import Meta, read_meta
+from ddp_amp.checkpoint.rank_values import agree_loadable
 from ddp_amp.checkpoint.retention import Retention
 from ddp_amp.checkpoint.rng import restore_rng as restore_rng_states
 from ddp_amp.checkpoint.save import save_checkpoint
 from ddp_amp.checkpoint.sharded import load_sharded
 from ddp_amp.checkpoint.sharded_state import dcp_form, put_back, restore_full, sharded_keys
 from ddp_amp.checkpoint.verify import agree_on
-from ddp_amp.distributed import DistContext, all_gather_objects, mark_agreed, on_rank_zero
+from ddp_amp.distributed import DistContext, mark_agreed, on_rank_zero
 from ddp_amp.errors import UsageError
 
 T = TypeVar("T")
@@ -58,8 +60,9 @@ class Saved:
 
 
 def _to_host(value: Any) -> Any:
-    """A per-rank value as every rank's copy is gathered: tensors detached, on the CPU."""
-    return tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, state_of(value))
+    """A per-rank value as this rank saves it: tensors detached, each a private copy on the
+    CPU, so a background write holds the value of the call whatever the loop changes in place."""
+    return tree_map(lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, state_of(value))
 
 
 def _listed(found: tuple[list[Path], bool]) -> tuple[list[str], bool]:
@@ -79,7 +82,7 @@ class Checkpointer:
         self.ctx, self.precision, self.scaler, self.warn = ctx, precision, scaler, warn
         self._background = BackgroundSaver()
         self._group: dist.ProcessGroup | None = None
-        self._retention = Retention()  # rank 0's: old checkpoints deleted while training goes on
+        self._retention = Retention()  # this rank's part: old checkpoints deleted while training goes on
         self._verified: set[Path] = set()  # checkpoints every rank has checked its files of
 
     def _save_group(self) -> dist.ProcessGroup | None:
@@ -106,10 +109,11 @@ class Checkpointer:
         self.wait()  # one write in flight: a failed earlier one raises here, on every rank
         self._verified.discard(target)  # written anew: checked anew before it is read
         started = time.perf_counter()
-        gathered = {key: all_gather_objects(_to_host(value)) for key, value in sorted(per_rank.items())}
+        own = {key: _to_host(value) for key, value in sorted(per_rank.items())}
+        agree_loadable(own, self.ctx.device)  # any rank's refusal on every rank, before anything is written
         sharded = sharded_keys(state)
         files, listed = layout_files({k: v for k, v in state.items() if k not in sharded}, self.scaler.state_dict(),
-                                     gathered)
+                                     sorted(per_rank))
         if sharded:  # written by every rank, each its shards, under sharded/
             listed["modules"] = sorted(listed["modules"] + [k for k in sharded if isinstance(state[k], nn.Module)])
             listed["sharded"] = sharded
@@ -118,10 +122,11 @@ class Checkpointer:
         shards = dcp_form(state, sharded) if sharded else None
         if background:
             self._background.start(target, files, description, self.ctx.device, self.ctx.world_size, keep_last,
-                                   self._save_group(), self._retention, shards)
+                                   self._save_group(), self._retention, shards, own)
             return None
         result = save_checkpoint(target, files, description, self.ctx.device, self.ctx.world_size, keep_last,
-                                 self._retention, shards)
+                                 self._retention, shards, own)
+        self._retention.let_go_own(result.retired, self.ctx.rank, self.ctx.world_size)
         if result.error is not None:
             raise mark_agreed(result.error, 0)  # the same outcome on every rank
         return Saved(target, time.perf_counter() - started)
@@ -132,16 +137,19 @@ class Checkpointer:
         finished = self._background.wait()
         if finished is None:
             return None
+        self._retention.let_go_own(finished.retired, self.ctx.rank, self.ctx.world_size)
         if finished.path is None:
             raise mark_agreed(finished.error, 0)  # type: ignore[arg-type]  # no path: it failed, error is set
         return Saved(finished.path, finished.write_s, background=True)
 
     def join_locally(self) -> None:
-        """At the end of a session, or on a failure path: let rank 0's write finish or fail,
-        and retention's deletion end, talking to no other rank. After it the folder holds
-        only what retention kept, so a caller that lists it sees no `.tmp-retired-` names."""
+        """At the end of a session, or on a failure path: let this rank's write finish or
+        fail, and its part of retention's deletion end, talking to no other rank; rank 0
+        then removes what is left of the checkpoints retention let go. After it rank 0's
+        folder holds only what retention kept: a caller that lists it sees no `.tmp-retired-`
+        names."""
         self._background.join_locally()
-        self._retention.wait()
+        self._retention.end(remove_remains=self.ctx.rank == 0)
 
     def read(self, path: Path, check: Callable[[SavedState], T] | None = None,
              what: str = "checkpoint") -> tuple[SavedState, T | None]:
@@ -207,7 +215,7 @@ class Checkpointer:
         for key, obj in state.items():
             if key in from_dcp:
                 continue
-            value = saved.per_rank[key][rank] if key in saved.per_rank else saved.value(key)
+            value = saved.per_rank[key] if saved.saved_per_rank(key, self.ctx.world_size) else saved.value(key)
             if key in live_sharded:  # a replicated checkpoint's full state into a sharded object
                 restore_full(state, key, value)
             else:
@@ -217,8 +225,8 @@ class Checkpointer:
         if restore_rng and rank in saved.rng:
             restore_rng_states(saved.rng[rank], self.ctx.device)
         values = {key: value for key, value in saved.values.items() if key != SCALER_KEY}
-        if saved.world_size == self.ctx.world_size:
-            values.update({key: ranks[rank] for key, ranks in saved.per_rank.items()})
+        if saved.per_rank_ranks == self.ctx.world_size:
+            values.update(saved.per_rank)
         return values
 
     def holds_keys(self, keys: list[str]) -> Callable[[SavedState], None]:
@@ -229,9 +237,7 @@ class Checkpointer:
                 if not saved.holds(key):
                     raise UsageError("checkpoint key", key, f"one of {saved.keys()}",
                                      "save it first, or leave it out of the load")
-                if key in saved.per_rank and len(saved.per_rank[key]) != self.ctx.world_size:
-                    raise UsageError("checkpoint key", key, f"a per-rank entry saved by {self.ctx.world_size} rank(s)",
-                                     f"it was saved by {len(saved.per_rank[key])}; resume with that many ranks")
+                saved.saved_per_rank(key, self.ctx.world_size)  # another number of ranks is refused
         return check
 
     def keep_best(self, root: Path, record: BestRecord) -> None:

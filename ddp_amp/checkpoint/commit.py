@@ -7,8 +7,9 @@
 3. Rename the directory to its name (atomic on POSIX), then fsync the parent so the rename
    itself survives a power cut.
 4. Only then, for a run's `step-N` checkpoints, apply `--keep-last` (retention.py: renamed
-   out of sight now, deleted in the background): a crash or a full disk at any point
-   leaves every previously committed checkpoint untouched.
+   out of sight now, then each rank deletes its own files of them in the background and
+   rank 0 the rest): a crash or a full disk at any point leaves every previously committed
+   checkpoint untouched.
 `commit_directory` does 1-3 for any target; `commit_checkpoint` adds 4 for a target that is
 a `step-N` directory, whose siblings are the run's other checkpoints. Nothing here reads or
 lists what the ranks wrote: its file operations are the same at any world size, and what it
@@ -130,8 +131,9 @@ def commit_checkpoint(target: Path, files: dict[str, Any], keep_last: int = 0, w
                       retention: Retention | None = None) -> Path:
     """Commit `files` (and what is `written` already) as the directory `target`; where it is
     a `step-N` directory, then apply retention to its siblings (`keep_last`, 0 keeps all).
-    Through `retention`, what is let go is deleted in the background, else here; so are the
-    replaced copy of `target` and the leftovers of killed writes."""
+    Through `retention`, what is let go is retired for every rank to delete its own files
+    of (`Retention.take_retired`), else deleted here; so are the replaced copy of `target`
+    and the leftovers of killed writes."""
     step = step_of(target)
     if retention is not None:
         retention.wait()  # the previous deletion is done before this commit touches the folder

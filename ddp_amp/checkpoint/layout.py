@@ -7,14 +7,16 @@
       state.pt       everything else of the state: each optimizer's and other object's
                      `state_dict()`, plain values (numbers, strings, paths, containers),
                      and the loss scaler's state under the reserved key "scaler"
-      data.pt        each per-rank entry in a file of its own: {"ranks": [rank 0's, ...]}
       meta.json      who saved it, world size, versions, precision, which files are modules
-                     and which per-rank, and the caller's own description
+                     and which keys per-rank, and the caller's own description
       rng/rank-00000.pt    each rank's RNG states, a file per rank, written and read by that rank
+      per_rank/rank-00000.pt  each rank's values of the per-rank entries ({key: value}), a
+                     file per rank, written and read by that rank (rank_values.py)
       sharded/       a sharded state's DCP shards (`__<rank>_<n>.distcp`, each rank its
                      own) and their map (`.metadata`, rank 0's); see sharded.py
       ranks/rank-00000.json  each rank's record: size and sha256 of the files it wrote
-                     (its RNG file, its shards), written by that rank (rank_files.py)
+                     (its RNG file, its per-rank values, its shards), written by that rank
+                     (rank_files.py)
       manifest.json  size and sha256 of rank 0's files, and one digest over the ranks'
                      records, written last: the checkpoint is complete exactly when it
                      verifies. A resume checks on each rank only the files that rank reads
@@ -23,8 +25,9 @@
 `python -m ddp_amp.export` takes a module's file from here, `--resume` and `Session.load`
 read it all. Older layouts still load: the Trainer's `train.pt` (today's `state.pt`,
 with the scaler's skipped-step count inside), a Session's `state.pt` that held the
-modules' state dicts among its values, one `rng.pt` holding every rank's RNG states, and a
-manifest of format 1 that lists every rank's files itself (no `ranks/`).
+modules' state dicts among its values, one `rng.pt` holding every rank's RNG states, each
+per-rank entry in a file of rank 0's with every rank's value (`data.pt`: {"ranks": [rank 0's,
+...]}), and a manifest of format 1 that lists every rank's files itself (no `ranks/`).
 """
 
 from __future__ import annotations
@@ -111,15 +114,14 @@ def load_into(obj: Any, saved: Any) -> None:
 
 
 def layout_files(state: Mapping[str, Any], scaler_state: dict[str, Any],
-                 per_rank: Mapping[str, list[Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The files of a checkpoint of `state` (modules in their own files) and what meta.json
-    records about them. `per_rank` holds every rank's value of each per-rank entry."""
+                 per_rank: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Rank 0's files of a checkpoint of `state` (modules in their own files) and what
+    meta.json records about them, with the keys of the `per_rank` entries (each rank writes
+    its own values of those, rank_values.py)."""
     modules = sorted(key for key, value in state.items() if isinstance(value, nn.Module))
     files: dict[str, Any] = {module_file(key): state_of(state[key]) for key in modules}
     values = {key: state_of(value) for key, value in state.items() if key not in modules}
     files[STATE_FILE] = {**values, SCALER_KEY: scaler_state}
-    for key, ranks in per_rank.items():
-        files[module_file(key)] = {"ranks": ranks}
     return files, {"modules": modules, "per_rank": sorted(per_rank)}
 
 
@@ -131,9 +133,11 @@ class SavedState:
     meta: Meta
     values: dict[str, Any]  # state.pt, the scaler's entry included
     modules: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> state dict
-    per_rank: dict[str, list[Any]] = field(default_factory=dict)  # key -> every rank's value
+    per_rank: dict[str, Any] = field(default_factory=dict)  # key -> the reading rank's own value
     rng: dict[int, dict[str, Any]] = field(default_factory=dict)  # the reading rank's RNG states, by rank
     rng_ranks: int = 0  # how many ranks' RNG states the checkpoint holds
+    per_rank_keys: tuple[str, ...] = ()  # every per-rank entry, the reading rank's value or not
+    per_rank_ranks: int = 0  # how many ranks saved a value of each per-rank entry
 
     @property
     def sharded(self) -> list[str]:
@@ -152,7 +156,17 @@ class SavedState:
         return int(self.values.get("scaler_skipped_total", 0))
 
     def holds(self, key: str) -> bool:
-        return key in self.modules or key in self.values or key in self.per_rank or key in self.sharded
+        return key in self.modules or key in self.values or key in self.per_rank_keys or key in self.sharded
+
+    def saved_per_rank(self, key: str, world_size: int) -> bool:
+        """Whether `key` is a per-rank entry; UsageError where it is one but was saved by
+        another number of ranks than `world_size` (each rank's value is its rank's alone)."""
+        if key not in self.per_rank_keys:
+            return False
+        if self.per_rank_ranks != world_size:
+            raise UsageError("checkpoint key", key, f"a per-rank entry saved by {world_size} rank(s)",
+                             f"it was saved by {self.per_rank_ranks}; resume with that many ranks")
+        return True
 
     def value(self, key: str) -> Any:
         """The saved state of `key`: a module's state dict, another object's, or a plain value."""
@@ -164,7 +178,7 @@ class SavedState:
                          "save it first, or leave it out of the load")
 
     def keys(self) -> list[str]:
-        return sorted({*self.modules, *self.values, *self.per_rank, *self.sharded} - {SCALER_KEY})
+        return sorted({*self.modules, *self.values, *self.per_rank_keys, *self.sharded} - {SCALER_KEY})
 
     def shapes(self, key: str) -> dict[str, tuple[int, ...]]:
         """Each tensor's (global) shape in module entry `key`, read from the map alone where sharded."""
@@ -177,15 +191,23 @@ def saved_state(loaded: LoadedCheckpoint) -> SavedState:
     """The files read by `checkpoint.read_checkpoint` as a SavedState."""
     state_name = STATE_FILE if STATE_FILE in loaded.files else LEGACY_STATE_FILE
     values = dict(loaded.files.get(state_name) or {})
-    # meta.json names the per-rank files; before it did, they were the Trainer's two.
-    per_rank_keys = set(loaded.meta.per_rank if loaded.meta.per_rank is not None else ("data", "task_state"))
-    modules, per_rank = {}, {}
+    # Older checkpoints keep each per-rank entry in a file of every rank's values, read whole.
+    # meta.json names them; before it did, they were the Trainer's two.
+    legacy_keys = set() if loaded.own_ranks else \
+        set(loaded.meta.per_rank if loaded.meta.per_rank is not None else ("data", "task_state"))
+    modules, every_rank = {}, {}
     for name, payload in loaded.files.items():
         key = name.removesuffix(".pt")
         if name == state_name:
             continue
-        if key in per_rank_keys:
-            per_rank[key] = list(payload["ranks"])
+        if key in legacy_keys:
+            every_rank[key] = list(payload["ranks"])
         else:
             modules[key] = payload
-    return SavedState(loaded.path, loaded.meta, values, modules, per_rank, loaded.rng, loaded.rng_ranks)
+    if loaded.own_ranks:  # each rank wrote its own values, and read them back alone
+        own, keys, ranks = dict(loaded.own), tuple(loaded.meta.per_rank or ()), loaded.own_ranks
+    else:
+        rank = loaded.rank
+        own = {key: saved[rank] for key, saved in every_rank.items() if rank is not None and rank < len(saved)}
+        keys, ranks = tuple(sorted(every_rank)), max((len(saved) for saved in every_rank.values()), default=0)
+    return SavedState(loaded.path, loaded.meta, values, modules, own, loaded.rng, loaded.rng_ranks, keys, ranks)

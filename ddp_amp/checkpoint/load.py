@@ -10,13 +10,14 @@ is applied, so a refused checkpoint leaves the live objects untouched everywhere
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ddp_amp.amp import AgreedGradScaler
 from ddp_amp.checkpoint.manifest import IncompleteCheckpoint, ranks_record, read_manifest
 from ddp_amp.checkpoint.meta import Meta, read_meta
+from ddp_amp.checkpoint.rank_values import read_own_values
 from ddp_amp.checkpoint.safe_types import safe_load
 from ddp_amp.checkpoint.rng import LEGACY_RNG_FILE, RNG_DIR, rng_file
 from ddp_amp.distributed import all_gather_objects, broadcast_object, on_every_rank
@@ -34,6 +35,9 @@ class LoadedCheckpoint:
     files: dict[str, Any]
     rng: dict[int, dict[str, Any]]  # the RNG states read: the reading rank's, by its rank
     rng_ranks: int = 0  # how many ranks' RNG states the checkpoint holds
+    rank: int | None = None  # the reading rank (None: read for no rank of a run)
+    own: dict[str, Any] = field(default_factory=dict)  # its values of the per-rank entries each rank wrote
+    own_ranks: int = 0  # how many ranks wrote those (0: none did; older checkpoints keep them in `files`)
 
 
 def _read_rng(path: Path, manifest: dict[str, Any], rank: int | None) -> tuple[dict[int, dict[str, Any]], int]:
@@ -51,10 +55,21 @@ def _read_rng(path: Path, manifest: dict[str, Any], rank: int | None) -> tuple[d
     return ({rank: safe_load(path / rng_file(rank))} if own and rank is not None else {}), count
 
 
+def _read_own(path: Path, manifest: dict[str, Any], meta: Meta, rank: int | None) -> tuple[dict[str, Any], int]:
+    """Rank `rank`'s values of the per-rank entries where each rank wrote its own, and how
+    many ranks did; ({}, 0) where there are none, or where they are rank 0's files of every
+    rank's values, as older checkpoints hold them (read with the other files)."""
+    keys, ranks = meta.per_rank or (), ranks_record(manifest)
+    if not keys or ranks is None or any(f"{key}.pt" in manifest["files"] for key in keys):
+        return {}, 0
+    return read_own_values(path, rank, ranks.count), ranks.count
+
+
 def read_checkpoint(path: Path, names: Sequence[str] | None = None, what: str = "--resume",
                     rank: int | None = None) -> LoadedCheckpoint:
     """Read `meta.json`, the named files of checkpoint `path` and, for a `rank`, that rank's
-    RNG states (no collectives); `names` None: every replicated `.pt` file its manifest lists."""
+    RNG states and per-rank values (no collectives); `names` None: every replicated `.pt`
+    file its manifest lists."""
     meta = read_meta(path, what)
     try:
         manifest = read_manifest(path)
@@ -65,7 +80,8 @@ def read_checkpoint(path: Path, names: Sequence[str] | None = None, what: str = 
                        and name != LEGACY_RNG_FILE)
     files = {name: safe_load(path / name) for name in names}
     rng, count = _read_rng(path, manifest, rank)
-    return LoadedCheckpoint(path, meta, files, rng, count)
+    own, own_ranks = _read_own(path, manifest, meta, rank)
+    return LoadedCheckpoint(path, meta, files, rng, count, rank, own, own_ranks)
 
 
 def _as_usage_error(error: Exception, path: Path, what: str) -> UsageError:

@@ -10,8 +10,8 @@ number of ranks (format 2):
      "ranks": {"count": R, "digest": hex}}  the R ranks' own records (rank_files.py): the XOR
                                             of one leaf per rank, each the rank and its record's sha256
 
-Each rank's record lists the files that rank wrote (its RNG file, its shards) with their
-sizes and sha256, so every file of a checkpoint is pinned by the manifest through one chain
+Each rank's record lists the files that rank wrote (its RNG file, its per-rank values, its
+shards) with their sizes and sha256, so every file of a checkpoint is pinned by the manifest through one chain
 of hashes, and a reader can tell a complete checkpoint from a torn one (killed mid-write,
 truncated by a full disk, bit rot) before unpickling anything. Format 1, written before,
 listed every file of every rank in `files` and has no `ranks`; it is still read.

@@ -1,6 +1,7 @@
 """Each rank's own files of a checkpoint, written and hashed by the rank itself, and pinned by one leaf.
 
     <checkpoint>/rng/rank-NNNNN.pt      the rank's RNG states (rng.py)
+    <checkpoint>/per_rank/rank-NNNNN.pt its values of the per-rank entries, where there are some (rank_values.py)
     <checkpoint>/sharded/__N_<n>.distcp its DCP shards, where the state is sharded (shard_writer.py)
     <checkpoint>/ranks/rank-NNNNN.json  its record: {"format": 2, "rank": N, "files": {name: {size, sha256}}}
 
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint import CheckpointException
 from ddp_amp.checkpoint.hashed_write import write_hashed
 from ddp_amp.checkpoint.manifest import FORMAT_VERSION, SHARDED_DIR, FileRecord, IncompleteCheckpoint
 from ddp_amp.checkpoint.rank_reports import DIGEST_BYTES, encode_report
+from ddp_amp.checkpoint.rank_values import per_rank_file
 from ddp_amp.checkpoint.rng import RNG_DIR, rng_file
 
 RANKS_DIR = "ranks"
@@ -59,14 +61,18 @@ def _encode_record(rank: int, files: Mapping[str, FileRecord]) -> bytes:
 
 
 def write_own_files(scratch: Path, rank: int, rng_state: dict[str, Any],
-                    shards: Callable[[], Mapping[str, FileRecord]] | None = None) -> bytes:
+                    shards: Callable[[], Mapping[str, FileRecord]] | None = None,
+                    values: Mapping[str, Any] | None = None) -> bytes:
     """Write this rank's part of a checkpoint into `scratch` (its shards through `shards()`,
-    which returns their records, then its RNG file, then its record), each file hashed as
-    it is written; return its report for rank 0 (`encode_report`). A failure is reported,
-    not raised: every rank must reach the gather that follows."""
+    which returns their records, then its RNG file, its per-rank `values` where given, then
+    its record), each file hashed as it is written; return its report for rank 0
+    (`encode_report`). A failure is reported, not raised: every rank must reach the gather
+    that follows."""
     try:
         written = dict(shards()) if shards is not None else {}
         written[rng_file(rank)] = write_hashed(scratch / rng_file(rank), rng_state)
+        if values:
+            written[per_rank_file(rank)] = write_hashed(scratch / per_rank_file(rank), dict(values))
         record = write_hashed(scratch / record_name(rank), _encode_record(rank, written))
         return encode_report(leaf(rank, record["sha256"]))
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's is a BaseException; rank 0 reports any
@@ -79,8 +85,10 @@ def _first_line(error: BaseException) -> str:
 
 
 def _owned(rank: int) -> re.Pattern[str]:
-    """The names rank `rank`'s record may list: its RNG file and its shards, nothing else."""
-    return re.compile(rf"^({re.escape(rng_file(rank))}|{SHARDED_DIR}/__{rank}_\d+\.distcp)$")
+    """The names rank `rank`'s record may list: its RNG file, its per-rank values and its
+    shards, nothing else."""
+    return re.compile(rf"^({re.escape(rng_file(rank))}|{re.escape(per_rank_file(rank))}"
+                      rf"|{SHARDED_DIR}/__{rank}_\d+\.distcp)$")
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,13 @@
    target is ours to replace, and makes the scratch directory; every rank learns its path,
    or the refusal, before anything is written (`distributed.on_rank_zero`).
 2. Every rank writes its own files into it (rank_files.py): its DCP shards where the state
-   is sharded, its RNG file and its record, each hashed as it is written.
+   is sharded, its RNG file, its values of the per-rank entries (rank_values.py) and its
+   record, each hashed as it is written.
 3. One gather of fixed-size reports (rank_reports.py) tells rank 0 that every rank's files
    are whole, or why one is not; rank 0 writes its files and the manifest and renames the
    directory into place (commit.py), and every rank learns the committed path or why there
-   is none.
+   is none, and which checkpoints retention retired, to delete its own files of them
+   (retention.py).
 Rank 0's work does not grow with the number of ranks, apart from that gather: it lists no
 folder the ranks write into and reads none of their files. No rank carries on believing a
 checkpoint exists that does not, and no rank waits on a rank 0 that failed. `background.py`
@@ -37,6 +39,7 @@ from ddp_amp.checkpoint.manifest import MANIFEST_NAME, SHARDED_DIR, FileRecord, 
 from ddp_amp.checkpoint.meta import META_FILE, Meta
 from ddp_amp.checkpoint.rank_files import OWN_FOLDERS, write_own_files
 from ddp_amp.checkpoint.rank_reports import Reports, gather_reports
+from ddp_amp.checkpoint.rank_values import PER_RANK_DIR
 from ddp_amp.checkpoint.retention import Retention
 from ddp_amp.checkpoint.rng import capture_rng
 from ddp_amp.checkpoint.safe_types import check_loadable
@@ -47,14 +50,18 @@ from ddp_amp.version import __version__
 
 _NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 Outcome = tuple[str | None, CheckpointError | None]  # the committed path, or why there is none
+# ... and the checkpoints retention retired in the commit, whose files each rank deletes its own of
+Committed = tuple[str | None, CheckpointError | None, list[str]]
 
 
 @dataclass(frozen=True)
 class SaveResult:
-    """The outcome every rank sees: the committed directory, or why there is none."""
+    """The outcome every rank sees: the committed directory, or why there is none, and the
+    checkpoints retention retired (each rank deletes its own files of them)."""
 
     path: Path | None
     error: CheckpointError | None
+    retired: tuple[str, ...] = ()
 
 
 def write_failure(target: Path, error: OSError) -> CheckpointError:
@@ -95,9 +102,9 @@ def build_contents(files: dict[str, Any], meta: Meta, world_size: int) -> dict[s
     return {**files, META_FILE: description.encode()}
 
 
-def scratch_folders(sharded: bool) -> tuple[str, ...]:
+def scratch_folders(sharded: bool, per_rank: bool = False) -> tuple[str, ...]:
     """The folders of a scratch directory the ranks write their own files into."""
-    return OWN_FOLDERS + ((SHARDED_DIR,) if sharded else ())
+    return OWN_FOLDERS + ((PER_RANK_DIR,) if per_rank else ()) + ((SHARDED_DIR,) if sharded else ())
 
 
 def prepare(target: Path, files: dict[str, Any], meta: Meta, world_size: int, contents: dict[str, Any],
@@ -135,21 +142,22 @@ def commit_outcome(target: Path, commit: Callable[[dict[str, Any]], Path], conte
 
 def commit_reported(target: Path, scratch: Path, reports: Reports | None, contents: dict[str, Any],
                     shared: dict[str, FileRecord], folders: tuple[str, ...], keep_last: int,
-                    retention: Retention | None, outcome: Callable[..., Outcome] = commit_outcome) -> Outcome:
+                    retention: Retention | None, outcome: Callable[..., Outcome] = commit_outcome) -> Committed:
     """Rank 0: commit `scratch` as `target` once every rank reported its own files whole
     (`reports`, gathered), with rank 0's `contents` and the `shared` files written there
     already (the shards' map); through `outcome` (`commit_outcome`). A rank's failure
     removes the scratch directory and is the outcome. `keep_last` and `retention` as for
-    `commit_checkpoint`."""
+    `commit_checkpoint`; the outcome names what `retention` retired."""
     if reports is None:
         raise RuntimeError("only rank 0 commits a checkpoint: it alone holds the gathered reports")
     failed = reports.first_failure()
     if failed is not None:
         shutil.rmtree(scratch, ignore_errors=True)
-        return None, write_failure(target, OSError(failed))
+        return None, write_failure(target, OSError(failed)), []
     written = Written(scratch, shared, folders, RanksRecord(reports.count, reports.digest().hex()))
-    return outcome(target, partial(commit_checkpoint, target, keep_last=keep_last, written=written,
-                                   retention=retention), contents)
+    path, error = outcome(target, partial(commit_checkpoint, target, keep_last=keep_last, written=written,
+                                          retention=retention), contents)
+    return path, error, retention.take_retired() if retention is not None else []
 
 
 def this_rank() -> int:
@@ -158,30 +166,33 @@ def this_rank() -> int:
 
 def save_checkpoint(target: Path, files: dict[str, Any], meta: Meta, device: torch.device, world_size: int,
                     keep_last: int = 0, retention: Retention | None = None,
-                    sharded: dict[str, Any] | None = None) -> SaveResult:
+                    sharded: dict[str, Any] | None = None, values: dict[str, Any] | None = None) -> SaveResult:
     """Commit a checkpoint as the directory `target` (collective; see the module's docstring):
     rank 0's `files`, and, where given, the `sharded` state (DCP's form) every rank writes
-    its part of. Where `target` is a `step-N` directory, retention then keeps the newest
-    `keep_last` of its siblings (0 keeps all), through `retention` where given (deleted in
-    the background).
+    its part of and each rank's own per-rank `values`. Where `target` is a `step-N`
+    directory, retention then keeps the newest `keep_last` of its siblings (0 keeps all),
+    through `retention` where given (the caller's to pass `SaveResult.retired` on to every
+    rank's `Retention.let_go_own`), else deleted here.
 
     A write that fails for the disk's sake (full, read-only), on any rank, comes back as
     `SaveResult.error` on every rank; state that would not load back, or a `target` that is
     not ours to replace, raises UsageError on every rank; either way nothing older is touched.
     """
     contents: dict[str, Any] = {}
-    folders = scratch_folders(sharded is not None)
+    folders = scratch_folders(sharded is not None, bool(values))
     path, failure = on_rank_zero(lambda: prepare(target, files, meta, world_size, contents, folders))
     if path is None:
         return SaveResult(None, failure)
     scratch = Path(path)
     writer = HashingShardWriter(scratch / SHARDED_DIR) if sharded is not None else None
     shards = partial(write_shards, writer, sharded) if writer is not None and sharded is not None else None
-    reports = gather_reports(write_own_files(scratch, this_rank(), capture_rng(device), shards), device)
-    path, failure = on_rank_zero(lambda: commit_reported(
+    if retention is not None:
+        retention.wait()  # this rank's files of what the last commit retired are gone before it reports
+    reports = gather_reports(write_own_files(scratch, this_rank(), capture_rng(device), shards, values), device)
+    path, failure, retired = on_rank_zero(lambda: commit_reported(
         target, scratch, reports, contents, writer.map_record() if writer is not None else {}, folders, keep_last,
         retention))
-    return SaveResult(Path(path) if path else None, failure)
+    return SaveResult(Path(path) if path else None, failure, tuple(retired))
 
 
 def ensure_writable(root: Path, run_dir: Path) -> None:

@@ -1,10 +1,11 @@
 """Checking a checkpoint before it is read: all of it in one process, or split over the ranks on resume.
 
 What is checked, each file's size and sha256 against what was hashed as it was written:
-- rank 0's files, listed in the manifest (meta.json, state.pt, each module's and per-rank
-  entry's file, the shards' map `sharded/.metadata`), which every rank reads;
-- each rank's record `ranks/rank-NNNNN.json`, the files it lists (that rank's RNG file and
-  shards), and the manifest's digest over the records (manifest.py, rank_files.py);
+- rank 0's files, listed in the manifest (meta.json, state.pt, each module's file, the
+  shards' map `sharded/.metadata`), which every rank reads;
+- each rank's record `ranks/rank-NNNNN.json`, the files it lists (that rank's RNG file,
+  per-rank values and shards), and the manifest's digest over the records (manifest.py,
+  rank_files.py);
 - that the shards' map names only listed files, and reads within them.
 
 `verify_checkpoint` checks all of it in the calling process (export, discovery before a

@@ -41,8 +41,9 @@ class SessionSaving:
         `state` maps names to models (each saved unwrapped, in a file of its own: `model.pt`
         for "model"), optimizers, anything with `state_dict`, and plain values (numbers,
         strings, paths, numpy values, containers of them). `per_rank` maps names to values
-        that differ per rank (a data loader's position): every rank's is kept, and each rank
-        gets its own back. The loss scaler and every rank's RNG state are saved too; `meta`
+        that differ per rank (a data loader's position): each rank writes its own into a file
+        of its own and gets its own back, reading no other rank's; they load only on as many
+        ranks as saved them. The loss scaler and every rank's RNG state are saved too; `meta`
         goes into meta.json. A directory already at `path` is replaced only if it is a
         checkpoint, and only once the new one is complete. Where `path` is a `step-N`
         directory (`ddp_amp.checkpoint.step_dir_name(step)`), `keep_last` > 0 then keeps only

@@ -5,7 +5,9 @@ The Trainer's checkpoint is a `Session.save` of (checkpoints.py):
 - `optimizer` (one, or the list of a task's several), `scheduler`, `step`, `samples_seen`
   and `data`, the stream's position where it is the same on every rank (state.pt);
 - per rank, `data` where each rank's position differs (an iterable dataset, a task's own
-  loader) and `task_state` for a task that keeps state across steps (`Task.state`).
+  loader) and `task_state` for a task that keeps state across steps (`Task.state`): each
+  rank writes its own and reads back only its own; how many ranks saved them is the
+  checkpoint's count of ranks, which a resume compares with its world size.
 meta.json also holds the batch geometry, optimizer class and config, which a resume checks
 before it loads any tensor. A checkpoint written by a user's own `Session.save` with a
 `model` (and an `optimizer`) resumes too: what it lacks starts fresh, with a notice.
@@ -142,7 +144,7 @@ class _Fit:
     optimizer: bool  # load the saved optimizer state
 
 
-def _fits(saved: SavedState, parts: TrainingParts, rank: int, world_size: int, dp_size: int,
+def _fits(saved: SavedState, parts: TrainingParts, world_size: int, dp_size: int,
           optimizer_may_change: bool) -> _Fit:
     """Check, on every rank, that `saved` resumes this run; raise UsageError where it does not."""
     path = saved.path
@@ -150,18 +152,18 @@ def _fits(saved: SavedState, parts: TrainingParts, rank: int, world_size: int, d
     optimizer = saved.holds("optimizer") and _optimizer_fits(path, saved.meta.optimizer_class,
                                                              parts.optimizer_names(), optimizer_may_change)
     for key in ("data", "task_state"):
-        if key in saved.per_rank and len(saved.per_rank[key]) != world_size:
+        if key in saved.per_rank_keys and saved.per_rank_ranks != world_size:
             what = "the task keeps state per rank (Task.state)" if key == "task_state" else \
                 "the data position is per rank (an iterable dataset, Task.make_loader)"
             raise UsageError("--resume", str(path), f"a checkpoint of {world_size} rank(s), as {what}; it was "
-                             f"saved by {len(saved.per_rank[key])}", "resume with the world size it was saved "
+                             f"saved by {saved.per_rank_ranks}", "resume with the world size it was saved "
                              "with, or --resume none")
     if parts.per_rank_position:
-        if "data" not in saved.per_rank:
+        if "data" not in saved.per_rank_keys:
             raise UsageError("--resume", str(path), f"a checkpoint of {world_size} rank(s), as the data position "
                              "is per rank (an iterable dataset, Task.make_loader); it was saved by another kind "
                              "of dataset", "resume with the data it was saved with, or --resume none")
-        return _Fit(saved.per_rank["data"][rank], optimizer)
+        return _Fit(saved.per_rank["data"], optimizer)  # this rank's own, the only one it read
     position = saved.values.get("data")
     if position is None:  # written by a loop of the user's own: no position to map
         return _Fit(None, optimizer)
@@ -180,8 +182,8 @@ def restore_training_state(session: Session, path: Path, parts: TrainingParts, n
     Any rank's refusal (unreadable, another model or optimizer, a data position that does
     not map onto this world) is raised on every rank before anything is applied.
     """
-    rank, world_size, dp_size = session.rank, session.world_size, session.ctx.dp_size
-    saved, fit = session.read(path, lambda saved: _fits(saved, parts, rank, world_size, dp_size, optimizer_may_change))
+    world_size, dp_size = session.world_size, session.ctx.dp_size
+    saved, fit = session.read(path, lambda saved: _fits(saved, parts, world_size, dp_size, optimizer_may_change))
     if fit is None:  # read gives the check's answer whenever it is given a check
         raise RuntimeError(f"reading {path} gave no answer of its check")
     state: dict[str, Any] = {"model": parts.model}
@@ -192,7 +194,7 @@ def restore_training_state(session: Session, path: Path, parts: TrainingParts, n
                "(--allow-change optimizer): it starts fresh")
     if parts.scheduler is not None and saved.values.get("scheduler") is not None:
         state["scheduler"] = parts.scheduler
-    if parts.task_state is not None and "task_state" in saved.per_rank:
+    if parts.task_state is not None and "task_state" in saved.per_rank_keys:
         state["task_state"] = _OnDevice(parts.task_state, session)
     elif parts.task_state is not None:
         notice("the checkpoint holds no task state (Task.state): the task's state starts fresh")
