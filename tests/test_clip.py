@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_amp import DistContext, Session, TrainConfig, UsageError
 from ddp_amp.parallel import ShardOptions
 from ddp_amp.tasks import load_task
 from ddp_amp.trainer import seed_everything
+from ddp_amp.torch_api import DTensor
 from tests.multiproc import in_turn, run_ranks
 from tests.resume_harness import assert_bitwise_equal
 

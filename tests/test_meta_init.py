@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ddp_amp import DistContext, Session, UsageError
 from ddp_amp.parallel import ShardOptions, ShardSlot, build_sharded
 from ddp_amp.tasks.lm import TransformerLM
+from ddp_amp.torch_api import DTensor
 from tests.multiproc import run_ranks, run_train
 from tests.test_shard import LM
 

@@ -8,14 +8,13 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from ddp_amp.amp import AutocastModule, resolve_precision
 from ddp_amp.distributed import DistContext
 from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
 from ddp_amp.parallel import ParallelPlan, parallelize
+from ddp_amp.torch_api import DTensor, FSDPModule
 from tests.multiproc import run_ranks
 
 CPU = torch.device("cpu")

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from ddp_amp.checkpoint.commit import new_scratch
 from ddp_amp.checkpoint.manifest import SHARDED_DIR, FileRecord, record_of
@@ -39,6 +38,7 @@ from ddp_amp.checkpoint.sharded_reader import SafeShardReader
 from ddp_amp.distributed import all_gather_objects, on_rank_zero
 from ddp_amp.durable import fsync_dir
 from ddp_amp.errors import CheckpointError, UsageError
+from ddp_amp.torch_api import AsyncSaveResponse
 
 
 def _own_records(folder: Path, rank: int) -> dict[str, FileRecord]:

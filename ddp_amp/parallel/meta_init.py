@@ -40,10 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map
 
 from ddp_amp.errors import UsageError
+from ddp_amp.torch_api import DTensor, disabled_torch_function_impl, make_wrapper_subclass, tree_map
 
 # In-place ops that overwrite every element without reading it: they may start on a parameter
 # whose other ranks' rows are gone.
@@ -142,14 +141,14 @@ class _Slice(torch.Tensor):
 
     @staticmethod
     def __new__(cls, shape: torch.Size, dtype: torch.dtype, values: _Values) -> _Slice:
-        made = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=torch.device("cpu"))
+        made = make_wrapper_subclass(cls, shape, dtype=dtype, device=torch.device("cpu"))
         made.held = values
         return made
 
     def __repr__(self) -> str:  # type: ignore[override]  # no values to print
         return f"_Slice({self.held.label}, shape={tuple(self.shape)})"
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # dispatch level only
+    __torch_function__ = disabled_torch_function_impl  # type: ignore[assignment]  # dispatch level only
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),  # type: ignore[override]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ddp_amp.errors import UsageError, spelled
 from ddp_amp.option_values import INT_LIMIT, ComponentOptions, check_fields, flag_of, option
-from ddp_amp.parallel.plan import CHECKPOINTING, CHECKPOINTING_CHOICES
+from ddp_amp.parallel.plan import CHECKPOINTING, CHECKPOINTING_CHOICES, require_sharding
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class ParallelOptions(ComponentOptions):
         """Choices, and the options that belong to one of DDP and FSDP2 only."""
         check_fields(self, ParallelOptions)
         if self.shard:
+            require_sharding((flag_of("shard"), flag_of("activation_checkpointing")), self.activation_checkpointing)
             if self.static_graph:
                 raise UsageError(flag_of("static_graph"), True, "an option that works with --shard",
                                  f"{flag_of('static_graph')} is not supported with --shard yet; drop one of them")

@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 
 from ddp_amp.errors import UsageError
 from ddp_amp.option_values import StepWindow
+from ddp_amp.torch_api import dump_memory_snapshot, record_memory_history
 
 TOP_OPS = 10  # rows of the per-step table rank 0 prints
 
@@ -57,7 +58,7 @@ class ProfileWindow:
         self._prof: profile | None = None
         self._steps = 0
         if self.memory_snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            record_memory_history(max_entries=100_000)
 
     @property
     def active(self) -> bool:
@@ -101,6 +102,6 @@ class ProfileWindow:
         if self.memory_snapshot and self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             path = self.out_dir / f"memory-rank{self.rank}.pickle"
-            torch.cuda.memory._dump_snapshot(str(path))
+            dump_memory_snapshot(str(path))
             if why:
                 self.info(f"memory snapshot ({why}) written to {path}")
