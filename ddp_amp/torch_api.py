@@ -224,7 +224,7 @@ def safe_globals(allowed: list[Any]) -> Iterator[None]:
         with scoped(allowed):
             yield
         return
-    before = torch.serialization.get_safe_globals()
+    before = list(torch.serialization.get_safe_globals())  # a copy: 2.4 hands out its live list
     torch.serialization.add_safe_globals(allowed)
     try:
         yield

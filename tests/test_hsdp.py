@@ -14,6 +14,9 @@ import torch
 from ddp_amp.train import main as train_main
 from tests.multiproc import in_turn, run_ranks, run_train
 from tests.test_shard import LM, _one_rank_inf
+from tests.torch_features import needs_sharding
+
+pytestmark = needs_sharding
 
 # The lm task clips the norm at 0.5 by default (--clip-grad-norm 0); dropout off, as in
 # test_shard's parity runs, so the layouts differ in the order of their sums alone.

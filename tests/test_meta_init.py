@@ -21,6 +21,9 @@ from ddp_amp.tasks.lm import TransformerLM
 from ddp_amp.torch_api import DTensor
 from tests.multiproc import run_ranks, run_train
 from tests.test_shard import LM
+from tests.torch_features import needs_sharding
+
+pytestmark = needs_sharding
 
 
 class ManyInits(nn.Module):

@@ -15,6 +15,9 @@ from ddp_amp import DistContext, Session
 from ddp_amp.parallel import ShardOptions
 from ddp_amp.torch_api import DTensor
 from tests.multiproc import run_ranks
+from tests.torch_features import needs_sharding
+
+pytestmark = needs_sharding
 
 
 class _Inits(nn.Module):
