@@ -25,6 +25,8 @@ Private torch APIs still used, and why (none has a public form from 2.4 to 2.15)
   rename every parameter, which would change a sharded checkpoint's names.
 - `compute_local_shape_and_global_offset` (`torch.distributed.tensor._utils`): where a
   DTensor's local shard lies in the whole tensor, to read just those rows from a file.
+- `dcp_metadata_path`: where DCP's file reader keeps its map (`_get_metadata_path`, where
+  torch has it), for the reader that loads that map with a restricted unpickler.
 - `DCP_PICKLED_GLOBALS`: the private globals DCP's metadata pickle names
   (`_StorageInfo`, `torch.serialization._get_layout`, `_MEM_FORMAT_ENCODING`), allow-listed
   by the restricted unpickler that reads a sharded checkpoint's map.
@@ -57,10 +59,12 @@ from ddp_amp.errors import UsageError
 
 __all__ = [
     "DCP_PICKLED_GLOBALS", "FEATURES", "FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST", "GRAD_SCALER_INTERNALS",
-    "SAC_IGNORED_OPS", "SELECTIVE_RECOMPUTE", "SHARDING", "SUPPORTED", "TORCH_RELEASE", "AsyncSaveResponse",
+    "HSDP_OVER_GLOO", "SAC_IGNORED_OPS", "SELECTIVE_RECOMPUTE", "SHARDING", "SUPPORTED", "TORCH_RELEASE",
+    "AsyncSaveResponse",
     "CPUOffloadPolicy", "CheckpointPolicy", "DTensor", "FSDPModule", "Feature", "MixedPrecisionPolicy",
     "OffloadPolicy", "Replicate", "TorchDispatchMode", "composable_checkpoint",
     "compute_local_shape_and_global_offset", "cpu_has_native_bf16", "create_selective_checkpoint_contexts",
+    "dcp_metadata_path",
     "disabled_torch_function_impl", "dump_memory_snapshot", "fully_shard", "make_wrapper_subclass",
     "record_memory_history", "release", "safe_globals", "set_transformer_fastpath", "tree_flatten", "tree_map",
 ]
@@ -109,20 +113,29 @@ class Feature:
                              f">= {_spelled(SUPPORTED[0])}")
 
 
-SHARDING = Feature("sharding (FSDP2)", (2, 6), (
+SHARDING = Feature("sharding (FSDP2)", (2, 7), (
     "torch.distributed.fsdp.fully_shard", "torch.distributed.fsdp.FSDPModule",
     "torch.distributed.fsdp.MixedPrecisionPolicy", "torch.distributed.fsdp.CPUOffloadPolicy",
     "torch.distributed.fsdp.OffloadPolicy", "torch.distributed.tensor.DTensor", "torch.distributed.tensor.Replicate",
     "torch.nn.utils.clip_grads_with_norm_"))
 """`--shard` and everything under it: HSDP (`--replicate`), `--cpu-offload`,
-`--shard-param-dtype`, `--compile` per unit, DCP sharded checkpoints, the sharded build."""
+`--shard-param-dtype`, `--compile` per unit, DCP sharded checkpoints, the sharded build.
+FSDP2 is public from torch 2.6, but 2.6's fails its first all-gather on a CPU ("'Stream'
+object has no attribute 'record_event'"); 2.7 trains, clips, recomputes selectively and
+resumes sharded (tried on 2.6.0 and 2.7.1, CPU, gloo)."""
 
 SELECTIVE_RECOMPUTE = Feature("selective activation checkpointing", (2, 5), (
     "torch.utils.checkpoint.create_selective_checkpoint_contexts", "torch.utils.checkpoint.CheckpointPolicy",
     "torch.utils.checkpoint.SAC_IGNORED_OPS"))
 """`--activation-checkpointing selective` (itself an option of `--shard`)."""
 
-FEATURES = (SHARDING, SELECTIVE_RECOMPUTE)
+HSDP_OVER_GLOO = Feature("HSDP (replicas of a sharded model) over gloo", (2, 13), ())
+"""`--replicate` > 1 on a CPU group: torch 2.7's FSDP2 all-reduces across replicas with
+ReduceOp.AVG, which gloo refuses ("Cannot use ReduceOp.AVG with Gloo"); 2.13 and 2.15 run
+it. The releases between were not tried, so the oldest that runs it is named. Over NCCL
+sharding's own bound holds."""
+
+FEATURES = (SHARDING, SELECTIVE_RECOMPUTE, HSDP_OVER_GLOO)
 
 FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST = TORCH_RELEASE < (2, 6)
 """Whether torch's fused inference path of `nn.TransformerEncoderLayer` (its "fast path",
@@ -148,7 +161,7 @@ def _missing(feature: Feature, qualified: str) -> Any:
     return type(qualified.rsplit(".", 1)[1], (_Missing,), {"feature": feature, "qualified": qualified})
 
 
-# --- sharding: FSDP2 and DTensor, public from torch 2.6 (DTensor from 2.5) ---
+# --- sharding: FSDP2 and DTensor (public from torch 2.6 and 2.5; sharding needs 2.7) ---
 if TYPE_CHECKING or SHARDING.available():
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torch.distributed.tensor import DTensor, Replicate
@@ -179,6 +192,16 @@ if TYPE_CHECKING or hasattr(_dcp_saver, "AsyncSaveResponse"):
 else:
     class AsyncSaveResponse:
         """Nothing `dcp.async_save` returns on this torch (it returns the Future itself)."""
+
+def dcp_metadata_path(reader: Any, rank: int | None) -> Any:
+    """Where DCP's file reader `reader` keeps the map of the shards (`rank`: a per-rank map,
+    where torch writes those). Newer torch says so through a private method; torch 2.7 has
+    none, and keeps the one map as `.metadata` in the checkpoint's folder."""
+    located = getattr(reader, "_get_metadata_path", None)
+    if located is not None:
+        return located(rank)
+    return reader.fs.concat_path(reader.path, ".metadata")
+
 
 # --- private, in every supported torch (see the module docstring for why each) ---
 make_wrapper_subclass = torch.Tensor._make_wrapper_subclass

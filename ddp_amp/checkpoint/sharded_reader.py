@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from ddp_amp.errors import UsageError
-from ddp_amp.torch_api import DCP_PICKLED_GLOBALS
+from ddp_amp.torch_api import DCP_PICKLED_GLOBALS, dcp_metadata_path
 
 # (module, name) pairs a DCP map is made of, as written by torch 2.13 (every global its
 # pickles were seen to name, for replicated and sharded models and optimizers alike).
@@ -50,7 +50,7 @@ class SafeShardReader(dcp.FileSystemReader):
     """DCP's file reader, whose map of the shards is read with the restricted unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        path = dcp_metadata_path(self, kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
             try:
                 metadata = _MapUnpickler(stream).load()

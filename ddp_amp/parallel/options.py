@@ -52,10 +52,10 @@ class ParallelOptions(ComponentOptions):
         """Choices, and the options that belong to one of DDP and FSDP2 only."""
         check_fields(self, ParallelOptions)
         if self.shard:
-            require_sharding((flag_of("shard"), flag_of("activation_checkpointing")), self.activation_checkpointing)
             if self.static_graph:
                 raise UsageError(flag_of("static_graph"), True, "an option that works with --shard",
                                  f"{flag_of('static_graph')} is not supported with --shard yet; drop one of them")
+            require_sharding((flag_of("shard"), flag_of("activation_checkpointing")), self.activation_checkpointing)
         elif (not self.reshard_after_forward or self.activation_checkpointing != "none" or self.replicate != 1
               or self.cpu_offload or self.shard_param_dtype != "fp32"):
             name = next(name for name, on in (("activation_checkpointing", self.activation_checkpointing != "none"),
