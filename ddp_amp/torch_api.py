@@ -103,14 +103,16 @@ class Feature:
         """Whether torch `version` (by default the running one) has it."""
         return release(version) >= self.needs
 
-    def require(self, what: str, value: object, version: str = torch.__version__) -> None:
+    def require(self, what: str, value: object, version: str = torch.__version__, *,
+                otherwise: str | None = None) -> None:
         """Refuse `what`=`value` (the option that asks for this feature) in one line naming the
-        torch it needs, where torch `version` (by default the running one) is older."""
+        torch it needs, where torch `version` (by default the running one) is older.
+        `otherwise`: what else the user can do (by default, drop `what`)."""
         if not self.available(version):
             needed = _spelled(self.needs)
+            instead = otherwise or f"drop {what}: DDP and AMP run on any torch >= {_spelled(SUPPORTED[0])}"
             raise UsageError(what, value, f"torch >= {needed} for {self.name}, this is torch {version}",
-                             f"pip install 'torch>={needed}', or drop {what}: DDP and AMP run on any torch "
-                             f">= {_spelled(SUPPORTED[0])}")
+                             f"pip install 'torch>={needed}', or {instead}")
 
 
 SHARDING = Feature("sharding (FSDP2)", (2, 7), (

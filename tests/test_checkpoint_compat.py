@@ -14,7 +14,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from ddp_amp import Session
 from ddp_amp.checkpoint.meta import Meta, read_meta
 from ddp_amp.tasks.mlp import make_model
+from ddp_amp.torch_api import SHARDING
 from tests.multiproc import run_train
+from tests.torch_features import needs_sharding
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoint_v0"
 STEP = "step-00000003"
@@ -43,7 +45,7 @@ def _assert_same(weights: dict[str, torch.Tensor], saved: dict[str, torch.Tensor
         assert torch.equal(weights[name], tensor), name
 
 
-@pytest.mark.parametrize("name", ["single", "shard"])
+@pytest.mark.parametrize("name", ["single", pytest.param("shard", marks=needs_sharding)])
 def test_session_load_restores_step_and_weights(tmp_path: Path, name: str) -> None:
     checkpoint = _copy(tmp_path, name)
     saved = _saved_weights(checkpoint, tmp_path)
@@ -57,7 +59,7 @@ def test_session_load_restores_step_and_weights(tmp_path: Path, name: str) -> No
         assert all(state["step"] == 3 for state in optimizer.state_dict()["state"].values())
 
 
-@pytest.mark.parametrize("name", ["single", "shard"])
+@pytest.mark.parametrize("name", ["single", pytest.param("shard", marks=needs_sharding)])
 def test_cli_resume_restores_step_and_weights(tmp_path: Path, name: str) -> None:
     checkpoint = _copy(tmp_path, name)
     saved = _saved_weights(checkpoint, tmp_path)
@@ -82,6 +84,15 @@ def test_meta_reads_every_field_and_writes_the_same_json(name: str) -> None:
     assert meta.sharded == (("model", "optimizer") if name == "shard" else ())
     assert meta.config is not None and meta.config["task"] == "mlp" and meta.extra == {}
     assert json.loads(meta.encode()) == json.loads((checkpoint / "meta.json").read_text())
+
+
+@pytest.mark.skipif(SHARDING.available(), reason=f"this torch ({torch.__version__}) reads sharded checkpoints")
+def test_a_sharded_checkpoint_is_refused_in_one_line_where_torch_cannot_shard(tmp_path: Path) -> None:
+    checkpoint = _copy(tmp_path, "shard")
+    result = run_train([*TINY, "--max-steps", "3", "--resume", str(checkpoint), "--run-dir", str(tmp_path / "r")])
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert "checkpoint=" in line and "torch >= 2.7 for sharding" in line and "without --shard" in line
 
 
 def test_meta_keeps_a_callers_own_keys_and_reads_an_older_record() -> None:
