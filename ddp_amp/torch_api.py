@@ -41,6 +41,7 @@ Private torch APIs still used, and why (none has a public form from 2.4 to 2.15)
 
 from __future__ import annotations
 
+import argparse
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,14 +60,13 @@ from ddp_amp.errors import UsageError
 
 __all__ = [
     "DCP_PICKLED_GLOBALS", "FEATURES", "FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST", "GRAD_SCALER_INTERNALS",
-    "HSDP_OVER_GLOO", "SAC_IGNORED_OPS", "SELECTIVE_RECOMPUTE", "SHARDING", "SUPPORTED", "TORCH_RELEASE",
-    "AsyncSaveResponse",
-    "CPUOffloadPolicy", "CheckpointPolicy", "DTensor", "FSDPModule", "Feature", "MixedPrecisionPolicy",
-    "OffloadPolicy", "Replicate", "TorchDispatchMode", "composable_checkpoint",
+    "HSDP_OVER_GLOO", "NEWER_TORCHRUN_OPTIONS", "SAC_IGNORED_OPS", "SELECTIVE_RECOMPUTE", "SHARDING", "SUPPORTED",
+    "TORCH_RELEASE", "AsyncSaveResponse", "CPUOffloadPolicy", "CheckpointPolicy", "DTensor", "FSDPModule", "Feature",
+    "MixedPrecisionPolicy", "OffloadPolicy", "Replicate", "TorchDispatchMode", "composable_checkpoint",
     "compute_local_shape_and_global_offset", "cpu_has_native_bf16", "create_selective_checkpoint_contexts",
-    "dcp_metadata_path",
-    "disabled_torch_function_impl", "dump_memory_snapshot", "fully_shard", "make_wrapper_subclass",
-    "record_memory_history", "release", "safe_globals", "set_transformer_fastpath", "tree_flatten", "tree_map",
+    "dcp_metadata_path", "disabled_torch_function_impl", "dump_memory_snapshot", "fully_shard",
+    "make_wrapper_subclass", "record_memory_history", "release", "safe_globals", "set_transformer_fastpath",
+    "torchrun_knows", "tree_flatten", "tree_map",
 ]
 
 # torch >= 2.4, < 3: the oldest minor release and the first excluded one.
@@ -227,6 +227,25 @@ def composable_checkpoint(module: torch.nn.Module, **options: Any) -> None:
     from torch.distributed._composable import checkpoint  # imported where used: it pulls in torch.distributed
 
     checkpoint(module, **options)
+
+
+# Options of torchrun's that ddp_amp's launchers pass and older torchruns lack (2.7's has
+# neither; 2.13's has both): the signals its agent forwards to the workers, and how long it
+# waits for them after forwarding one.
+NEWER_TORCHRUN_OPTIONS = ("--signals-to-handle", "--shutdown-timeout")
+
+
+def torchrun_knows(option: str) -> bool:
+    """Whether this torch's torchrun takes `option` (as `--option=value`)."""
+    from torch.distributed.run import get_args_parser  # imported where used: the launcher's parser
+
+    parser = get_args_parser()
+    parser.exit_on_error = False  # a known option that refuses the probe's value raises, unprinted
+    try:
+        _, unknown = parser.parse_known_args([f"{option}=1", "script.py"])
+    except argparse.ArgumentError:
+        return True
+    return not unknown
 
 
 def record_memory_history(max_entries: int) -> None:

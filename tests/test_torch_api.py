@@ -20,8 +20,9 @@ from ddp_amp.parallel import ParallelPlan, ShardOptions
 from ddp_amp.parallel.options import ParallelOptions
 from ddp_amp.session.choices import FLAGS, resolve_choices
 from ddp_amp.torch_api import (DCP_PICKLED_GLOBALS, FEATURES, FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST,
-                               GRAD_SCALER_INTERNALS, HSDP_OVER_GLOO, SHARDING, SUPPORTED, TORCH_RELEASE, DTensor,
-                               Feature, FSDPModule, release, safe_globals)
+                               GRAD_SCALER_INTERNALS, HSDP_OVER_GLOO, NEWER_TORCHRUN_OPTIONS, SHARDING, SUPPORTED,
+                               TORCH_RELEASE, DTensor, Feature, FSDPModule, release, safe_globals, torchrun_knows)
+from ddp_amp.torchrun import without_unknown_options
 from ddp_amp.train import main as train_main
 from tests.multiproc import run_train
 from tests.torch_features import needs_sharding
@@ -165,3 +166,16 @@ def test_a_transformer_evaluates_under_cpu_autocast_on_any_torch() -> None:
         out = AutocastModule(encoder, resolve_precision("bf16", torch.device("cpu")))(torch.ones(1, 3, 8))
     assert out.shape == (1, 3, 8) and torch.isfinite(out).all()
     assert torch.backends.mha.get_fastpath_enabled()  # switched back on after the region
+
+
+def test_the_launchers_newer_torchrun_options_are_left_out_only_where_torchrun_lacks_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert torchrun_knows("--standalone") and not torchrun_knows("--no-such-option")
+    argv = ["--standalone", "--signals-to-handle=SIGTERM,SIGUSR1", "--shutdown-timeout", "300", "--nproc-per-node=2",
+            "-m", "ddp_amp.train", "--shutdown-timeout=5"]  # the script's own arguments are never touched
+    lacking = [option for option in NEWER_TORCHRUN_OPTIONS if not torchrun_knows(option)]
+    kept, dropped = without_unknown_options(argv)
+    assert dropped == lacking and len(kept) == len(argv) - 2 * len(lacking) + ("--shutdown-timeout" in lacking)
+    monkeypatch.setattr("ddp_amp.torchrun.torchrun_knows", lambda option: False)  # as torch 2.4's torchrun
+    assert without_unknown_options(argv) == (["--standalone", "--nproc-per-node=2", "-m", "ddp_amp.train",
+                                              "--shutdown-timeout=5"], ["--signals-to-handle", "--shutdown-timeout"])
