@@ -6,8 +6,8 @@ each private use in one file (tests/test_torch_api.py checks every entry on the 
 Supported: torch >= 2.4, < 3 (`SUPPORTED`; pyproject.toml says the same). The core, DDP and
 AMP in fp32, bf16 and fp16 with its agreed loss scaler, checkpoints and resume, runs on all
 of it. What needs a newer torch is a `Feature`: it names the oldest torch that has the
-public API it uses, and `Feature.require` refuses it on an older one in one line that names
-that version (a UsageError, so exit 2, raised while options are checked, before anything is
+public API it uses and was found to run it, and `Feature.require` refuses it on an older
+one in one line that names that version (a UsageError, so exit 2, raised while options are checked, before anything is
 written). On such a torch the names below stand in for what is missing: a class that no
 object is an instance of (so `isinstance(p, DTensor)` is False) and that refuses, naming
 the version, if it is called.
