@@ -42,6 +42,7 @@ Private torch APIs still used, and why (none has a public form from 2.4 to 2.15)
 from __future__ import annotations
 
 import argparse
+import codecs
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -258,18 +259,23 @@ def dump_memory_snapshot(path: str) -> None:
     torch.cuda.memory._dump_snapshot(path)
 
 
+# What newer torch's weights_only loader accepts by default and 2.4's does not: the
+# `_codecs.encode` a pickled numpy scalar names (2.5 allows it).
+_LOADER_DEFAULTS_MISSING: list[Any] = [codecs.encode] if TORCH_RELEASE < (2, 5) else []
+
+
 @contextmanager
 def safe_globals(allowed: list[Any]) -> Iterator[None]:
     """`torch.load(weights_only=True)` also accepts `allowed` inside the block. torch 2.5 on
     has this context manager; torch 2.4 has only the process-wide list, which is restored on
-    exit here."""
+    exit here, and lacks a default that numpy scalars need."""
     scoped = getattr(torch.serialization, "safe_globals", None)
     if scoped is not None:
         with scoped(allowed):
             yield
         return
     before = list(torch.serialization.get_safe_globals())  # a copy: 2.4 hands out its live list
-    torch.serialization.add_safe_globals(allowed)
+    torch.serialization.add_safe_globals([*allowed, *_LOADER_DEFAULTS_MISSING])
     try:
         yield
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from torch import nn
 
 from ddp_amp.amp import AutocastModule, resolve_precision
 from ddp_amp.env import detect_env
+from ddp_amp.checkpoint.safe_types import SAFE_GLOBALS
 from ddp_amp.errors import UsageError
 from ddp_amp.parallel import ParallelPlan, ShardOptions
 from ddp_amp.parallel.options import ParallelOptions
@@ -138,9 +140,9 @@ def test_each_private_name_it_keeps_is_what_torch_holds_under_that_name() -> Non
 
 def test_safe_globals_allows_inside_the_block_only(tmp_path: Path) -> None:
     path = tmp_path / "p.pt"
-    torch.save({"where": Path("/data")}, path)
-    with safe_globals([type(Path("/data"))]):
-        assert torch.load(path, weights_only=True) == {"where": Path("/data")}
+    torch.save({"where": Path("/data"), "step": np.int64(3)}, path)  # a numpy scalar: torch 2.4 needed more
+    with safe_globals([type(Path("/data")), *SAFE_GLOBALS]):
+        assert torch.load(path, weights_only=True) == {"where": Path("/data"), "step": np.int64(3)}
     with pytest.raises(Exception, match=r"(?i)weights.only"):
         torch.load(path, weights_only=True)
 
