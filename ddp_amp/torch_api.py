@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import inspect
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -66,8 +67,8 @@ __all__ = [
     "MixedPrecisionPolicy", "OffloadPolicy", "Replicate", "TorchDispatchMode", "composable_checkpoint",
     "compute_local_shape_and_global_offset", "cpu_has_native_bf16", "create_selective_checkpoint_contexts",
     "dcp_metadata_path", "disabled_torch_function_impl", "dump_memory_snapshot", "fully_shard",
-    "make_wrapper_subclass", "record_memory_history", "release", "safe_globals", "set_transformer_fastpath",
-    "torchrun_knows", "tree_flatten", "tree_map",
+    "make_wrapper_subclass", "profiler_keeps_events", "record_memory_history", "release", "safe_globals",
+    "set_transformer_fastpath", "torchrun_knows", "tree_flatten", "tree_map",
 ]
 
 # torch >= 2.4, < 3: the oldest minor release and the first excluded one.
@@ -247,6 +248,15 @@ def torchrun_knows(option: str) -> bool:
     except argparse.ArgumentError:
         return True
     return not unknown
+
+
+def profiler_keeps_events() -> dict[str, Any]:
+    """What `torch.profiler.profile` is given so that a finished window's events are kept for
+    its trace: `acc_events=True` where torch has it (2.5 on); torch 2.4 has no such keyword,
+    and keeps one window's events as it is."""
+    from torch.profiler import profile
+
+    return {"acc_events": True} if "acc_events" in inspect.signature(profile.__init__).parameters else {}
 
 
 def record_memory_history(max_entries: int) -> None:

@@ -23,7 +23,8 @@ from ddp_amp.parallel.options import ParallelOptions
 from ddp_amp.session.choices import FLAGS, resolve_choices
 from ddp_amp.torch_api import (DCP_PICKLED_GLOBALS, FEATURES, FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST,
                                GRAD_SCALER_INTERNALS, HSDP_OVER_GLOO, NEWER_TORCHRUN_OPTIONS, SHARDING, SUPPORTED,
-                               TORCH_RELEASE, DTensor, Feature, FSDPModule, release, safe_globals, torchrun_knows)
+                               TORCH_RELEASE, DTensor, Feature, FSDPModule, profiler_keeps_events, release,
+                               safe_globals, torchrun_knows)
 from ddp_amp.torchrun import without_unknown_options
 from ddp_amp.train import main as train_main
 from tests.multiproc import run_train
@@ -181,3 +182,11 @@ def test_the_launchers_newer_torchrun_options_are_left_out_only_where_torchrun_l
     monkeypatch.setattr("ddp_amp.torchrun.torchrun_knows", lambda option: False)  # as torch 2.4's torchrun
     assert without_unknown_options(argv) == (["--standalone", "--nproc-per-node=2", "-m", "ddp_amp.train",
                                               "--shutdown-timeout=5"], ["--signals-to-handle", "--shutdown-timeout"])
+
+
+def test_the_profiler_keeps_a_windows_events_on_every_torch() -> None:
+    """torch 2.5 on takes acc_events; 2.4's profile has no such keyword (it raised TypeError)."""
+    assert profiler_keeps_events() == ({"acc_events": True} if TORCH_RELEASE >= (2, 5) else {})
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], **profiler_keeps_events()) as prof:
+        torch.ones(2) + 1
+    assert prof.key_averages()
