@@ -61,14 +61,14 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ddp_amp.errors import UsageError
 
 __all__ = [
-    "DCP_PICKLED_GLOBALS", "FEATURES", "FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST", "GRAD_SCALER_INTERNALS",
-    "HSDP_OVER_GLOO", "NEWER_TORCHRUN_OPTIONS", "SAC_IGNORED_OPS", "SELECTIVE_RECOMPUTE", "SHARDING", "SUPPORTED",
-    "TORCH_RELEASE", "AsyncSaveResponse", "CPUOffloadPolicy", "CheckpointPolicy", "DTensor", "FSDPModule", "Feature",
-    "MixedPrecisionPolicy", "OffloadPolicy", "Replicate", "TorchDispatchMode", "composable_checkpoint",
-    "compute_local_shape_and_global_offset", "cpu_has_native_bf16", "create_selective_checkpoint_contexts",
-    "dcp_metadata_path", "disabled_torch_function_impl", "dump_memory_snapshot", "fully_shard",
-    "make_wrapper_subclass", "profiler_keeps_events", "record_memory_history", "release", "safe_globals",
-    "set_transformer_fastpath", "torchrun_knows", "tree_flatten", "tree_map",
+    "DCP_PICKLED_GLOBALS", "DOCUMENT_MASKS", "FEATURES", "FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST",
+    "GRAD_SCALER_INTERNALS", "HSDP_OVER_GLOO", "NEWER_TORCHRUN_OPTIONS", "SAC_IGNORED_OPS", "SELECTIVE_RECOMPUTE",
+    "SHARDING", "SUPPORTED", "TORCH_RELEASE", "AsyncSaveResponse", "CPUOffloadPolicy", "CheckpointPolicy", "DTensor",
+    "FSDPModule", "Feature", "MixedPrecisionPolicy", "OffloadPolicy", "Replicate", "TorchDispatchMode",
+    "composable_checkpoint", "compute_local_shape_and_global_offset", "cpu_has_native_bf16",
+    "create_selective_checkpoint_contexts", "dcp_metadata_path", "disabled_torch_function_impl",
+    "dump_memory_snapshot", "fully_shard", "make_wrapper_subclass", "profiler_keeps_events", "record_memory_history",
+    "release", "safe_globals", "set_transformer_fastpath", "torchrun_knows", "tree_flatten", "tree_map",
 ]
 
 # torch >= 2.4, < 3: the oldest minor release and the first excluded one.
@@ -139,7 +139,13 @@ ReduceOp.AVG, which gloo refuses ("Cannot use ReduceOp.AVG with Gloo"); 2.13 and
 it. The releases between were not tried, so the oldest that runs it is named. Over NCCL
 sharding's own bound holds."""
 
-FEATURES = (SHARDING, SELECTIVE_RECOMPUTE, HSDP_OVER_GLOO)
+DOCUMENT_MASKS = Feature("attention kept within each document of a packed window", (2, 6), ())
+"""`--task causal_lm --task-opt boundaries=true`: the positions restart per document, and
+transformers turns restarting positions into a mask that keeps attention within each
+document only on torch 2.6 or newer (its masking_utils); on an older torch the documents
+would attend across their boundaries without a word (seen on 2.4.1 with transformers 4.56)."""
+
+FEATURES = (SHARDING, SELECTIVE_RECOMPUTE, HSDP_OVER_GLOO, DOCUMENT_MASKS)
 
 FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST = TORCH_RELEASE < (2, 6)
 """Whether torch's fused inference path of `nn.TransformerEncoderLayer` (its "fast path",

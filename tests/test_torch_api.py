@@ -21,7 +21,7 @@ from ddp_amp.errors import UsageError
 from ddp_amp.parallel import ParallelPlan, ShardOptions
 from ddp_amp.parallel.options import ParallelOptions
 from ddp_amp.session.choices import FLAGS, resolve_choices
-from ddp_amp.torch_api import (DCP_PICKLED_GLOBALS, FEATURES, FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST,
+from ddp_amp.torch_api import (DCP_PICKLED_GLOBALS, DOCUMENT_MASKS, FEATURES, FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST,
                                GRAD_SCALER_INTERNALS, HSDP_OVER_GLOO, NEWER_TORCHRUN_OPTIONS, SHARDING, SUPPORTED,
                                TORCH_RELEASE, DTensor, Feature, FSDPModule, profiler_keeps_events, release,
                                safe_globals, torchrun_knows)
@@ -190,3 +190,14 @@ def test_the_profiler_keeps_a_windows_events_on_every_torch() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], **profiler_keeps_events()) as prof:
         torch.ones(2) + 1
     assert prof.key_averages()
+
+
+def test_kept_document_boundaries_are_refused_where_their_mask_would_be_dropped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddp_amp.config import TrainConfig
+    from ddp_amp.tasks.causal_lm import read_options
+
+    monkeypatch.setattr("ddp_amp.tasks.causal_lm.DOCUMENT_MASKS", Feature(DOCUMENT_MASKS.name, (99, 0), ()))
+    with pytest.raises(UsageError, match=r"--task-opt boundaries='true': expected torch >= 99\.0 for attention kept"):
+        read_options(TrainConfig(task="causal_lm", task_opt=("model=/models/m", "boundaries=true")))
+    assert not read_options(TrainConfig(task="causal_lm", task_opt=("model=/models/m",)))["boundaries"]
