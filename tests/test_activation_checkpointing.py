@@ -21,6 +21,9 @@ from ddp_amp.parallel import ParallelPlan, ShardOptions
 from ddp_amp.parallel.recompute import checkpoint_units
 from tests.multiproc import run_train
 from tests.test_shard import LM
+from tests.torch_features import needs_sharding
+
+pytestmark = needs_sharding
 
 
 @pytest.mark.parametrize("argv, mode", [

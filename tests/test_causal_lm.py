@@ -18,6 +18,7 @@ from ddp_amp.export import main as export_main
 from ddp_amp.train import main as train_main
 from tests.multiproc import run_train
 from tests.text_model import conversations, corpus_documents, make_model_dir, write_jsonl
+from tests.torch_features import needs_sharding
 
 SEQ = 48
 
@@ -45,6 +46,7 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@needs_sharding
 def test_two_sharded_ranks_fine_tune_on_text_and_chat_and_the_export_generates(tmp_path: Path,
                                                                                corpus: dict[str, Path]) -> None:
     run = tmp_path / "run"

@@ -27,6 +27,7 @@ from ddp_amp.export import main as export_main
 from ddp_amp.train import main
 from tests.resume_harness import TASK
 from tests.multiproc import REPO_ROOT, cli_env
+from tests.torch_features import needs_sharding
 
 COMMON = ["--task", TASK, "--batch-size", "8", "--device", "cpu", "--log-every", "1000"]
 
@@ -151,6 +152,7 @@ def test_checkpoint_with_pickled_code_is_refused_unexecuted(tmp_path: Path) -> N
     assert not marker.exists()
 
 
+@needs_sharding
 def test_a_sharded_checkpoint_whose_map_holds_pickled_code_is_refused_unexecuted(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """DCP keeps its map of the shards as a pickle; resume and export read it restricted."""

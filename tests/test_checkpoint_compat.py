@@ -21,7 +21,9 @@ from ddp_amp.checkpoint import newest_complete, verify_checkpoint
 from ddp_amp.checkpoint.meta import Meta, read_meta
 from ddp_amp.export import main as export_main
 from ddp_amp.tasks.mlp import make_model
+from ddp_amp.torch_api import SHARDING
 from tests.multiproc import run_train
+from tests.torch_features import needs_sharding
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoint_v0"
 FORMAT_1 = Path(__file__).parent / "fixtures" / "checkpoint_v1"
@@ -53,7 +55,7 @@ def _assert_same(weights: dict[str, torch.Tensor], saved: dict[str, torch.Tensor
 
 
 @pytest.mark.parametrize("fixtures", [FIXTURES, FORMAT_1], ids=["v0", "v1"])
-@pytest.mark.parametrize("name", ["single", "shard"])
+@pytest.mark.parametrize("name", ["single", pytest.param("shard", marks=needs_sharding)])
 def test_session_load_restores_step_and_weights(tmp_path: Path, name: str, fixtures: Path) -> None:
     checkpoint = _copy(tmp_path, name, fixtures)
     saved = _saved_weights(checkpoint, tmp_path)
@@ -67,7 +69,7 @@ def test_session_load_restores_step_and_weights(tmp_path: Path, name: str, fixtu
         assert all(state["step"] == 3 for state in optimizer.state_dict()["state"].values())
 
 
-@pytest.mark.parametrize("name", ["single", "shard"])
+@pytest.mark.parametrize("name", ["single", pytest.param("shard", marks=needs_sharding)])
 def test_cli_resume_restores_step_and_weights(tmp_path: Path, name: str) -> None:
     checkpoint = _copy(tmp_path, name)
     saved = _saved_weights(checkpoint, tmp_path)
@@ -94,6 +96,7 @@ def test_meta_reads_every_field_and_writes_the_same_json(name: str) -> None:
     assert json.loads(meta.encode()) == json.loads((checkpoint / "meta.json").read_text())
 
 
+@needs_sharding
 def test_a_format_1_checkpoint_verifies_exports_and_is_skipped_when_a_rank_file_is_damaged(tmp_path: Path) -> None:
     checkpoint = _copy(tmp_path, "shard", FORMAT_1)
     listed = set(verify_checkpoint(checkpoint)["files"])  # every file, as that manifest lists them
@@ -106,6 +109,15 @@ def test_a_format_1_checkpoint_verifies_exports_and_is_skipped_when_a_rank_file_
     warnings: list[str] = []
     assert newest_complete(checkpoint.parent, warnings.append) is None
     assert "rng/rank-00001.pt" in warnings[0] and "sha256 differs" in warnings[0], warnings
+
+
+@pytest.mark.skipif(SHARDING.available(), reason=f"this torch ({torch.__version__}) reads sharded checkpoints")
+def test_a_sharded_checkpoint_is_refused_in_one_line_where_torch_cannot_shard(tmp_path: Path) -> None:
+    checkpoint = _copy(tmp_path, "shard", FIXTURES)
+    result = run_train([*TINY, "--max-steps", "3", "--resume", str(checkpoint), "--run-dir", str(tmp_path / "r")])
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert "checkpoint=" in line and "torch >= 2.7 for sharding" in line and "without --shard" in line
 
 
 def test_meta_keeps_a_callers_own_keys_and_reads_an_older_record() -> None:

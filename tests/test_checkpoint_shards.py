@@ -12,6 +12,9 @@ from ddp_amp.checkpoint.manifest import encode_manifest, file_digest, read_manif
 from ddp_amp.checkpoint.rank_files import fold, leaf, record_name
 from ddp_amp.export import main as export_main
 from tests.multiproc import run_train
+from tests.torch_features import needs_sharding
+
+pytestmark = needs_sharding
 
 LM = ["--task", "lm", "--task-opt", "emsize=32", "--task-opt", "nhid=32", "--task-opt", "vocab=300",
       "--task-opt", "tokens=20000", "--task-opt", "bptt=16", "--device", "cpu", "--precision", "fp32",

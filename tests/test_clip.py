@@ -10,15 +10,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_amp import DistContext, Session, TrainConfig, UsageError
 from ddp_amp.parallel import ShardOptions
 from ddp_amp.tasks import load_task
 from ddp_amp.trainer import seed_everything
+from ddp_amp.torch_api import DTensor
 from tests.multiproc import in_turn, run_ranks
 from tests.resume_harness import assert_bitwise_equal
+from tests.torch_features import needs_sharding
 
 CLIP = 0.05  # bites at every step of the loop below
 
@@ -110,6 +111,7 @@ def _lm_step(ctx: DistContext, shard: bool) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
+@needs_sharding
 def test_the_sharded_clipping_norm_is_ddps(ranks: int) -> None:
     # Replicated, then sharded, in the same rank processes (one start-up of the ranks).
     runs = run_ranks(in_turn, ranks, (_lm_step, False), (_lm_step, True), timeout=300)

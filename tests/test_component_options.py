@@ -33,7 +33,7 @@ def test_every_field_of_the_config_comes_from_one_component() -> None:
 @pytest.mark.parametrize("component", COMPONENTS, ids=lambda c: c.__name__)
 def test_of_picks_a_components_part_of_the_config(component: type[ComponentOptions]) -> None:
     assert component.of(TrainConfig()) == component()
-    config = TrainConfig(seed=3, precision="fp16", batch_size=32, shard=True, preempt_signal=(signal.SIGUSR2,),
+    config = TrainConfig(seed=3, precision="fp16", batch_size=32, static_graph=True, preempt_signal=(signal.SIGUSR2,),
                          keep_best=MetricGoal("eval_nll", "min"))
     picked = component.of(config)
     assert not isinstance(picked, TrainConfig)

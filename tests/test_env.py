@@ -28,7 +28,12 @@ def test_torchrun_variables() -> None:
     env = detect_env(TORCHRUN)
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.node_rank) == (3, 1, 4, 2, 1)
     assert (env.master_addr, env.master_port, env.launcher) == ("node0", 29400, "torchrun")
-    assert (env.restart_count, env.run_id, env.agent_hosts_store) == (2, "job7", True)
+    assert (env.restart_count, env.run_id, env.agent_hosts_store, env.under_agent) == (2, "job7", True, True)
+    # torch 2.4's agent says it does not host the store: it is the worker's parent all the same
+    older = detect_env({**TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": "False"})
+    assert not older.agent_hosts_store and older.under_agent
+    assert not detect_env({key: value for key, value in TORCHRUN.items()
+                           if key != "TORCHELASTIC_USE_AGENT_STORE"}).under_agent  # a hand-made env:// launch
 
 
 def test_srun_variables_expand_the_nodelist_and_derive_the_port() -> None:

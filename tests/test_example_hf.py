@@ -21,6 +21,7 @@ import pytest
 from ddp_amp import UsageError
 from ddp_amp.command_line import parse_command_line
 from tests.multiproc import run_train
+from tests.torch_features import needs_sharding
 
 TASK = "examples.hf_causal_lm:make_task"
 STEPS = 40
@@ -101,6 +102,7 @@ def test_without_an_eval_fn_the_models_own_loss_is_evaluated_exactly_over_ranks(
     assert "--keep-best='eval_ppl': expected a metric the task's evaluation reports (eval_loss)" in refused.stderr
 
 
+@needs_sharding
 def test_hf_causal_lm_shards_by_decoder_layer_with_activation_checkpointing_as_ddp_trains(tmp_path: Path) -> None:
     """--shard on the transformers model: its decoder layers are the units (Task.shard_units),
     recomputed in backward, and 2 ranks train as replicated 2 ranks do (fp32: the same sums

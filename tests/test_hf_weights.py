@@ -18,6 +18,7 @@ from ddp_amp import UsageError
 from ddp_amp.checkpoint import load_pretrained, read_headers
 from ddp_amp.export import main as export_main
 from tests.multiproc import run_train
+from tests.torch_features import needs_sharding
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,6 +42,7 @@ def _args(pretrained: Path, run_dir: Path, *extra: str) -> list[str]:
             "--eval-every", "0", "--log-every", "1", "--run-dir", str(run_dir), *extra]
 
 
+@needs_sharding
 def test_a_pretrained_llama_round_trips_through_sharded_training_to_from_pretrained(tmp_path: Path) -> None:
     pretrained = tmp_path / "pretrained"
     original = _pretrained(pretrained)

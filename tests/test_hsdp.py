@@ -12,8 +12,12 @@ import pytest
 import torch
 
 from ddp_amp.train import main as train_main
+from ddp_amp.torch_api import HSDP_OVER_GLOO
 from tests.multiproc import in_turn, run_ranks, run_train
 from tests.test_shard import LM, _one_rank_inf
+from tests.torch_features import needs, needs_sharding
+
+pytestmark = [needs_sharding, needs(HSDP_OVER_GLOO)]
 
 # The lm task clips the norm at 0.5 by default (--clip-grad-norm 0); dropout off, as in
 # test_shard's parity runs, so the layouts differ in the order of their sums alone.

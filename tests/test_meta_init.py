@@ -16,14 +16,17 @@ import psutil
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ddp_amp import DistContext, Session, UsageError
 from ddp_amp.parallel import ShardOptions, ShardSlot, build_sharded
 from ddp_amp.parallel.row_draws import fill_rows
 from ddp_amp.tasks.lm import TransformerLM
+from ddp_amp.torch_api import DTensor
 from tests.multiproc import run_ranks, run_train
 from tests.test_shard import LM
+from tests.torch_features import needs_sharding
+
+pytestmark = needs_sharding
 
 
 class ManyInits(nn.Module):

@@ -8,15 +8,15 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from ddp_amp.amp import AutocastModule, resolve_precision
 from ddp_amp.distributed import DistContext
 from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
 from ddp_amp.parallel import ParallelPlan, parallelize
+from ddp_amp.torch_api import DTensor, FSDPModule
 from tests.multiproc import run_ranks
+from tests.torch_features import needs_sharding
 
 CPU = torch.device("cpu")
 
@@ -41,6 +41,7 @@ def test_a_world_of_one_gets_the_autocast_wrapper_around_the_users_module() -> N
 
 
 @pytest.mark.parametrize("asked", [{"tensor_parallel": {"blocks.0": "colwise"}}])
+@needs_sharding
 def test_a_plan_asking_for_what_is_not_implemented_is_refused_in_one_line(asked: dict[str, Any]) -> None:
     with pytest.raises(UsageError) as raised:
         ParallelPlan(shard=True, **asked)
@@ -70,6 +71,7 @@ def _sharded_layout(ctx: DistContext) -> dict[str, Any]:
             "description": made.description}
 
 
+@needs_sharding
 def test_sharded_every_unit_is_an_fsdp_module_on_the_groups_mesh() -> None:
     for layout in run_ranks(_sharded_layout, 2, timeout=240):
         assert layout["units_are_fsdp"] == [True, True] and layout["root_is_fsdp"]

@@ -32,7 +32,9 @@ def _manual_step(trainer: Any, batch: tuple[torch.Tensor, torch.Tensor], factor:
     """Backward through DDP, then, where `factor` is given (one rank only), change one gradient
     after the reduction; the other ranks run no such code at all."""
     inputs, target = batch
-    trainer.scaler.scale(nn.functional.mse_loss(trainer.model(inputs), target)).backward()
+    # The fp16 output in fp32 against the fp32 target, as the recipe's loss has it (torch 2.4's
+    # mse_loss backward refuses the two dtypes mixed).
+    trainer.scaler.scale(nn.functional.mse_loss(trainer.model(inputs).float(), target)).backward()
     grad = trainer.params[0].grad
     if factor is not None and replace:
         trainer.params[0].grad = grad * factor  # a new tensor: not the one DDP reduced

@@ -10,11 +10,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ddp_amp import DistContext, Session
 from ddp_amp.parallel import ShardOptions
+from ddp_amp.torch_api import DTensor
 from tests.multiproc import run_ranks
+from tests.torch_features import needs_sharding
+
+pytestmark = needs_sharding
 
 
 class _Inits(nn.Module):

@@ -12,6 +12,9 @@ from torch import nn
 from ddp_amp import DistContext, Session
 from ddp_amp.parallel import ShardOptions
 from tests.multiproc import run_ranks
+from tests.torch_features import needs_sharding
+
+pytestmark = needs_sharding
 
 
 class _Blocks(nn.Module):

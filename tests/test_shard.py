@@ -33,6 +33,9 @@ from ddp_amp.tasks import load_task
 from ddp_amp.trainer import Trainer, seed_everything, session_for
 from tests.multiproc import REPO_ROOT, in_turn, run_ranks, run_train, slow_writes_env
 from tests.resume_harness import assert_bitwise_equal
+from tests.torch_features import needs_sharding
+
+pytestmark = needs_sharding
 
 LM = ["--task", "lm", "--task-opt", "emsize=32", "--task-opt", "nhid=32", "--task-opt", "vocab=300",
       "--task-opt", "tokens=20000", "--task-opt", "bptt=16", "--device", "cpu", "--precision", "fp32",

@@ -21,6 +21,9 @@ from ddp_amp.errors import TrainingHalted
 from ddp_amp.guards.finite import FiniteStateGuard
 from ddp_amp.guards.rank_sync import check_rank_sync
 from tests.multiproc import run_ranks, run_train
+from tests.torch_features import needs_sharding
+
+pytestmark = needs_sharding
 
 
 def _checks_on_shards(ctx: DistContext) -> dict[str, Any]:

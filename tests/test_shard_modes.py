@@ -33,6 +33,9 @@ from ddp_amp.tasks import load_task
 from ddp_amp.trainer import Trainer, seed_everything, session_for
 from tests.multiproc import in_turn, run_ranks
 from tests.test_shard_compile import _inductor_compiler
+from tests.torch_features import needs_sharding
+
+pytestmark = needs_sharding
 
 MODES: dict[str, tuple[Any, ...]] = {"compile": (False, True), "checkpointing": ("none", "full", "selective"),
                                      "gather": ("fp32", "bf16"), "replicate": (1, 2),

@@ -18,7 +18,9 @@ from ddp_amp.data.sources import resolve_source
 from ddp_amp.data.token_cache import open_or_build
 from ddp_amp.data.token_store import TokenSplit
 from ddp_amp.data.windows import IGNORE, PackedWindows, WrappedWindows
+from ddp_amp.torch_api import DOCUMENT_MASKS
 from tests.text_model import corpus_documents, make_model_dir, write_jsonl
+from tests.torch_features import needs
 
 SEQ = 63
 
@@ -66,6 +68,7 @@ def test_wrapped_windows_are_group_texts_token_for_token(tmp_path: Path, model_d
         assert item["labels"].tolist() == grouped[index]["labels"][1:]  # the shift the model does, done here
 
 
+@needs(DOCUMENT_MASKS)
 def test_kept_boundaries_give_each_document_its_own_logits(tmp_path: Path, model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -27,6 +27,7 @@ import torch
 from ddp_amp.errors import UsageError, spelled
 from ddp_amp.amp.float8 import fp8_unavailable
 from ddp_amp.amp.scaler import AgreedGradScaler, scaler_options_of
+from ddp_amp.torch_api import FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST, cpu_has_native_bf16, set_transformer_fastpath
 
 PRECISION_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16", "fp8")
 PrecisionName = Literal["fp32", "bf16", "fp16", "fp8"]
@@ -44,17 +45,30 @@ class _Region(torch.autocast):
     """A torch.autocast one thread enters again and again: made once, since its constructor's
     checks cost more host time than entering it does (docs/facts.md, host time). It keeps
     what it restores on exit on itself, so it is never entered twice at once: while it is
-    in use, a fresh one is made instead."""
+    in use, a fresh one is made instead. On a torch whose fused transformer inference path
+    breaks under CPU autocast (2.4), a CPU region turns that path off while it is entered
+    (process-wide: torch has no per-thread switch for it)."""
 
     in_use = False
 
+    def __init__(self, device_type: str, dtype: torch.dtype, enabled: bool) -> None:
+        super().__init__(device_type, dtype=dtype, enabled=enabled)
+        self.fastpath_off = enabled and device_type == "cpu" and FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST
+        self.fastpath_before = True
+
     def __enter__(self) -> _Region:
         self.in_use = True
+        if self.fastpath_off:
+            self.fastpath_before = set_transformer_fastpath(False)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> bool:
         self.in_use = False
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self.fastpath_off:
+                set_transformer_fastpath(self.fastpath_before)
 
 
 def _region(device_type: str, dtype: torch.dtype, enabled: bool) -> AbstractContextManager[Any]:
@@ -148,11 +162,6 @@ def as_precision_name(name: str) -> PrecisionName:
         return _NAMES[name]
     except KeyError:
         raise ValueError(f"not a precision name: {name!r} (one of {', '.join(_NAMES)})") from None
-
-
-def cpu_has_native_bf16() -> bool:
-    """True where the CPU has bf16 arithmetic units (AVX512-BF16 or AMX)."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def _autocast_honours(device_type: str, dtype: torch.dtype) -> bool:

@@ -19,11 +19,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from ddp_amp.amp.scaler import AgreedGradScaler
 from ddp_amp.errors import UsageError
+from ddp_amp.torch_api import DTensor, Replicate
 
 
 class StepResult(NamedTuple):
@@ -66,25 +68,48 @@ def _named_params(clip_params: Iterable[torch.Tensor],
 
 
 def sharded_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of `grads`, some of them DTensors (collective over their mesh).
+    """The 2-norm of `grads`, some of them DTensors (collective over their meshes).
 
     Each gradient's sum of squares is accumulated in fp64: torch 2.13's fp32 `vector_norm`
     on a CPU sums in fp32 and is off the exact norm by about n x 1e-11 for n elements
     (7e-5 for a 640k-element embedding), and how far off depends on how a tensor is split,
     so per-shard fp32 norms cannot equal one rank's norm of the whole gradient. In fp64 the
-    norm rounds to the same fp32 value however the gradients are sharded. DTensor's norm
-    reduces the shards' partial norms over the right mesh dimensions (a replicated dimension
-    is not counted twice); the result is a plain fp32 tensor on the device, not read here.
+    norm rounds to the same fp32 value however the gradients are sharded. A DTensor's sum is
+    its local shard's, summed over the mesh dimensions it is sharded on (a replicated
+    dimension is not counted twice), with public collectives only: DTensor's own norm ops
+    differ from one torch to the next (torch 2.15's `_foreach_norm` refuses a dtype on
+    DTensors). The result is a plain tensor on the device, not read here.
     """
-    squares = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-    sharded: list[torch.Tensor] = [g for g in grads if isinstance(g, DTensor)]
-    plain: list[torch.Tensor] = [g for g in grads if not isinstance(g, DTensor)]
-    for part in (sharded, plain):
-        if part:
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(part, 2, dtype=torch.float64)), 2)
-            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-            squares = squares + norm.square()
+    device = grads[0].device
+    squares = _sum_of_squares([g for g in grads if not isinstance(g, DTensor)], device)
+    for mesh, dims, part in _by_sharding([g for g in grads if isinstance(g, DTensor)]):
+        partial = _sum_of_squares([g.to_local() for g in part], device)
+        for dim in dims:
+            dist.all_reduce(partial, group=mesh.get_group(dim))
+        squares = squares + partial
     return squares.sqrt().to(grads[0].dtype)
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squares of every element of `tensors`, in fp64, on `device`."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch.stack([torch.linalg.vector_norm(t, 2, dtype=torch.float64).to(device) for t in tensors])
+    return norms.square().sum()
+
+
+def _by_sharding(grads: list[DTensor]) -> list[tuple[DeviceMesh, tuple[int, ...], list[DTensor]]]:
+    """DTensors grouped by mesh and by the mesh dimensions they are sharded on, in the order
+    each group first appears (the same on every rank, so the collectives pair up); one whose
+    placements include a pending sum (Partial) is summed first."""
+    groups: dict[tuple[int, tuple[int, ...]], tuple[DeviceMesh, tuple[int, ...], list[DTensor]]] = {}
+    for grad in grads:
+        if any(placement.is_partial() for placement in grad.placements):
+            grad = grad.redistribute(grad.device_mesh, [Replicate() if placement.is_partial() else placement
+                                                        for placement in grad.placements])
+        dims = tuple(dim for dim, placement in enumerate(grad.placements) if placement.is_shard())
+        groups.setdefault((id(grad.device_mesh), dims), (grad.device_mesh, dims, []))[2].append(grad)
+    return list(groups.values())
 
 
 def clip_grads(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:

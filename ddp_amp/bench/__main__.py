@@ -40,6 +40,7 @@ import torch
 from ddp_amp.bench import (activation_memory, amp_recipe, build_memory, checkpoint_stall, data, fastpaths, host,
                            memory, overhead, rank_zero, resume, scale, table, transformer)
 from ddp_amp.bench.targets import check_report, check_text
+from ddp_amp.torch_api import SHARDING
 
 SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint", "memory", "resume", "scale",
             "data")
@@ -217,6 +218,17 @@ def _device_name(device: str) -> str:
     return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
 
 
+# The sections that shard a model (FSDP2, DCP checkpoints), and why a torch too old for it runs none of them.
+SHARDED_SECTIONS = ("memory", "resume")
+_CANNOT_SHARD = (f"{SHARDING.name} needs torch >= {SHARDING.needs[0]}.{SHARDING.needs[1]}; "
+                 f"this is torch {torch.__version__}")
+
+
+def unsharded_sections(asked: list[str]) -> list[str]:
+    """The sections of `asked` that shard, where this torch cannot: each is reported as not run."""
+    return [] if SHARDING.available() else [name for name in asked if name in SHARDED_SECTIONS]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the chosen sections, printing each table as soon as it is done."""
     report: dict[str, Any] = {
@@ -253,7 +265,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         section = checkpoint_stall.run(args.device, args.scale, args.checkpoint_pairs, threads=args.trial_threads)
         report["sections"]["checkpoint"] = section
         print("\n" + checkpoint_stall.async_table(section), flush=True)
-    if "memory" in args.sections:
+    for name in unsharded_sections(args.sections):
+        report["sections"][name] = {"skipped": _CANNOT_SHARD}
+        print(f"\n{name}: not run: {_CANNOT_SHARD}", flush=True)
+    if "memory" in args.sections and SHARDING.available():
         section = memory.run(args.device, args.memory_width, args.memory_layers)
         report["sections"]["memory"] = section
         print("\n" + memory.memory_table(section), flush=True)
@@ -264,7 +279,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         section["activations"] = activation_memory.run(args.activation_width, args.activation_layers,
                                                        args.activation_tokens)
         print("\n" + activation_memory.activation_table(section["activations"]), flush=True)
-    if "resume" in args.sections:
+    if "resume" in args.sections and SHARDING.available():
         section = resume.run(emulated=args.resume_ranks, repeats=args.resume_repeats)
         report["sections"]["resume"] = section
         print("\n" + resume.resume_table(section), flush=True)

@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
 from ddp_amp.bench.table import grid
 from ddp_amp.distributed import DistContext
@@ -28,6 +26,7 @@ from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.parallel import ShardOptions
 from ddp_amp.session import Session
 from ddp_amp.tasks.lm import TransformerLM, lm_loss
+from ddp_amp.torch_api import TorchDispatchMode, tree_map
 
 MODES = ("none", "selective", "full")
 VOCAB, HEADS, DROPOUT = 1000, 8, 0.2

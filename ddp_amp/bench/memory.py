@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ddp_amp.bench.table import grid
 from ddp_amp.bench.targets import target_fields
@@ -26,6 +25,7 @@ from ddp_amp.parallel import ShardOptions
 from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.session import Session
 from ddp_amp.tasks.mlp import make_model
+from ddp_amp.torch_api import DTensor
 
 WIDTH, LAYERS = 2048, 12
 RANKS = (1, 2, 4)

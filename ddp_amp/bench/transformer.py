@@ -131,7 +131,7 @@ def _precision_rows(ctx: DistContext, shape: GPTShape, name: str, with_compile: 
             rows.append(_row(ctx, shape, precision, compiled, flops, blocks, steps))
         except Exception as error:  # noqa: BLE001 - one failed row must not lose the others
             rows.append({"precision": name, "compiled": compiled, "failed": f"{type(error).__name__}: {error}"})
-        torch._dynamo.reset()
+        torch.compiler.reset()
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
     for row in rows:

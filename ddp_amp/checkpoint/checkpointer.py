@@ -26,7 +26,6 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from ddp_amp.amp import AgreedGradScaler, Precision
 from ddp_amp.checkpoint.background import BackgroundSaver
@@ -46,6 +45,7 @@ from ddp_amp.checkpoint.sharded_state import dcp_form, put_back, restore_full, s
 from ddp_amp.checkpoint.verify import agree_on
 from ddp_amp.distributed import DistContext, mark_agreed, on_rank_zero
 from ddp_amp.errors import UsageError
+from ddp_amp.torch_api import tree_map
 
 T = TypeVar("T")
 

@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from ddp_amp.checkpoint.pretrained import INDEX, SINGLE
 from ddp_amp.durable import fsync_dir
 from ddp_amp.errors import UsageError
+from ddp_amp.torch_api import FSDPModule
 
 HF_CONFIG = "hf_config.json"  # in a run directory: the transformers config of its model
 TIED = "ddp_amp_tied_weights"  # in HF_CONFIG, not written out: {name: the earlier name it shares a weight with}

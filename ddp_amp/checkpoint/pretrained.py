@@ -30,10 +30,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ddp_amp.errors import UsageError
+from ddp_amp.torch_api import DTensor, compute_local_shape_and_global_offset
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ddp_amp.errors import UsageError
+from ddp_amp.torch_api import safe_globals
 
 try:  # numpy 2 moved its internals to numpy._core; numpy 1 has numpy.core
     from numpy._core import multiarray as _multiarray
@@ -39,7 +40,7 @@ SAFE_GLOBALS: list[Any] = [
 def safe_load(source: Path | io.BytesIO) -> Any:
     """`torch.load(weights_only=True)` to the CPU with the allow-list; refusals are UsageErrors."""
     try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
+        with safe_globals(SAFE_GLOBALS):
             return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         reason = str(error).strip().splitlines()[0][:200]
@@ -65,7 +66,7 @@ def check_loadable(name: str, value: Any) -> None:
     try:
         torch.save(_shape_of(value), buffer)
         buffer.seek(0)
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
+        with safe_globals(SAFE_GLOBALS):
             torch.load(buffer, weights_only=True)
     except Exception as error:  # noqa: BLE001 - pickling and unpickling fail in many ways
         reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__

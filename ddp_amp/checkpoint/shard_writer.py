@@ -20,10 +20,10 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from ddp_amp.checkpoint.hashed_write import HashingStream
 from ddp_amp.checkpoint.manifest import MAP_FILE, SHARDED_DIR, FileRecord
+from ddp_amp.torch_api import AsyncSaveResponse
 
 
 class _HashingFileSystem(FileSystem):

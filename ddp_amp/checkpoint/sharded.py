@@ -27,16 +27,23 @@ import torch.distributed.checkpoint as dcp
 from ddp_amp.checkpoint.manifest import SHARDED_DIR
 from ddp_amp.checkpoint.sharded_reader import SafeShardReader
 from ddp_amp.errors import UsageError
+from ddp_amp.torch_api import SHARDING
 
 
 def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     """Fill `template` (state dicts of the live objects, sharded or not) from the sharded
     part of checkpoint `path`, resharding to this world size; returns it (collective where a
     process group exists, else read by this process alone)."""
+    _require_sharding(path)
     with warnings.catch_warnings(), _shards_refused(path):  # a single process without a group is what is meant
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(template, storage_reader=SafeShardReader(path / SHARDED_DIR), no_dist=not dist.is_initialized())
     return template
+
+
+def _require_sharding(path: Path) -> None:
+    """Refuse reading checkpoint `path`'s DCP shards in one line where this torch cannot shard."""
+    SHARDING.require("checkpoint", str(path), otherwise="resume from a checkpoint of a run without --shard")
 
 
 @contextmanager
@@ -58,6 +65,7 @@ def _shards_refused(path: Path) -> Iterator[None]:
 def sharded_shapes(path: Path, key: str) -> dict[str, tuple[int, ...]]:
     """The global shape of every tensor of entry `key` in checkpoint `path`'s sharded state
     (from DCP's metadata: nothing is read but the map)."""
+    _require_sharding(path)
     metadata = SafeShardReader(path / SHARDED_DIR).read_metadata()
     prefix = f"{key}."
     return {name[len(prefix):]: tuple(item.size) for name, item in metadata.state_dict_metadata.items()
@@ -67,6 +75,7 @@ def sharded_shapes(path: Path, key: str) -> dict[str, tuple[int, ...]]:
 def sharded_tensors(path: Path, key: str) -> dict[str, torch.Tensor]:
     """Entry `key` of checkpoint `path`'s sharded state, whole, on the CPU, in this process
     alone (no process group needed): what an export writes."""
+    _require_sharding(path)
     metadata = SafeShardReader(path / SHARDED_DIR).read_metadata()
     prefix = f"{key}."
     template = {name[len(prefix):]: torch.empty(item.size, dtype=item.properties.dtype)

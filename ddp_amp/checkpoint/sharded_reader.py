@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ddp_amp.errors import UsageError
+from ddp_amp.torch_api import DCP_PICKLED_GLOBALS, dcp_metadata_path
 
 # (module, name) pairs a DCP map is made of, as written by torch 2.13 (every global its
 # pickles were seen to name, for replicated and sharded models and optimizers alike).
@@ -29,10 +29,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
         dcp_metadata.Metadata, dcp_metadata.TensorStorageMetadata, dcp_metadata.ChunkStorageMetadata,
         dcp_metadata.BytesStorageMetadata, dcp_metadata.TensorProperties, dcp_metadata.MetadataIndex,
         dcp_metadata.StorageMeta)},
-    (dcp_metadata.__name__, "_MEM_FORMAT_ENCODING"): dcp_metadata._MEM_FORMAT_ENCODING,
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    **DCP_PICKLED_GLOBALS,
     ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
     ("pathlib", "PosixPath"): pathlib.PosixPath,
     ("pathlib", "WindowsPath"): pathlib.WindowsPath,
 }
@@ -52,7 +50,7 @@ class SafeShardReader(dcp.FileSystemReader):
     """DCP's file reader, whose map of the shards is read with the restricted unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        path = dcp_metadata_path(self, kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
             try:
                 metadata = _MapUnpickler(stream).load()

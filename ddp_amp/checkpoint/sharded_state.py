@@ -21,12 +21,12 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.tensor import DTensor
 
 from ddp_amp.amp import unwrap_model
 from ddp_amp.distributed import is_sharded
 from ddp_amp.errors import UsageError
 from ddp_amp.checkpoint.layout import keeping_kernels
+from ddp_amp.torch_api import DTensor
 
 _FULL = StateDictOptions(full_state_dict=True)
 

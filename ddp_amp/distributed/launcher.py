@@ -45,9 +45,9 @@ class LauncherCheck:
     """The launcher this process was started by, as seen at start, and its store's address."""
 
     def __init__(self, env: DistEnv, store: dist.Store | None) -> None:
-        # Only a launcher that outlives its workers is watched: torchrun's agent (it hosts
-        # the store), slurmstepd. A hand-made env:// launch may well have a parent that ends.
-        watched = env.agent_hosts_store or env.launcher == "slurm"
+        # Only a launcher that outlives its workers is watched: torchrun's agent (whether or
+        # not it hosts the store), slurmstepd. A hand-made env:// launch may well have a parent that ends.
+        watched = env.under_agent or env.launcher == "slurm"
         self.parent_pid = os.getppid() if watched else None
         self.name = (_command_name(self.parent_pid) or env.launcher) if self.parent_pid else ""
         self.store_by_launcher = env.agent_hosts_store

@@ -162,7 +162,7 @@ def _find_prefix(store: dist.PrefixStore, base: dist.TCPStore) -> str | None:
         store.set(probe, "")
         keys = [key for key in base.list_keys() if key.endswith(probe)]
         store.delete_key(probe)
-    except (RuntimeError, dist.DistError):  # a store without list_keys: unwatched, as before
+    except (RuntimeError, dist.DistError, AttributeError):  # a store without list_keys (torch 2.4's): unwatched
         return None
     if len(keys) != 1:
         return None

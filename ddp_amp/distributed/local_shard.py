@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+
+from ddp_amp.torch_api import DTensor, FSDPModule
 
 
 def is_sharded(model: nn.Module) -> bool:

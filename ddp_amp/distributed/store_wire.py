@@ -6,7 +6,7 @@ one yet: torch's client waits for a missing key, where the store's libuv server 
 default since 2.4) answers a `multi_get` of a missing key with an empty value at once.
 
 The protocol, as torch 2.x's client speaks it: a connection opens with VALIDATE and a magic
-number, then a PING answered with its nonce; integers are little-endian, a string or a
+number, then a CHECK answered with one byte; integers are little-endian, a string or a
 value is its length (uint64) then its bytes. torch's client prefixes every key with "/".
 A WAIT is answered with one byte once every key it names exists: the server holds it, so a
 client learns of a key's arrival without asking again (one WAIT at a time per connection:
@@ -19,7 +19,7 @@ from __future__ import annotations
 import socket
 import struct
 
-_VALIDATE, _SET, _COMPARE_SET, _ADD, _CHECK, _WAIT, _MULTI_GET, _PING = 0, 1, 2, 4, 5, 6, 10, 13
+_VALIDATE, _SET, _COMPARE_SET, _ADD, _CHECK, _WAIT, _MULTI_GET = 0, 1, 2, 4, 5, 6, 10
 _MAGIC = 0x3C85F7CE
 _LENGTH = struct.Struct("<Q")
 # The libuv server reads 4 KB at a time and parses a request again from its start at each
@@ -39,9 +39,12 @@ class WireClient:
         self._buffer = b""  # received and not yet parsed
         self.sock = socket.create_connection((host, port), timeout=timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.sendall(struct.pack("<BI", _VALIDATE, _MAGIC) + struct.pack("<BI", _PING, 0x5EED))
-        if struct.unpack("<I", self._read(4))[0] != 0x5EED:
-            raise ConnectionError("not a TCPStore: its answer to PING was wrong")
+        # Validated by a CHECK, which every supported torch's server answers with one byte
+        # (0 ready, 1 not): torch 2.4's server has no PING and closes the connection on one.
+        self.sock.sendall(struct.pack("<BI", _VALIDATE, _MAGIC) + bytes([_CHECK]) + struct.pack("<Q", 1)
+                          + self._key("ddp_amp/validate"))
+        if self._read(1)[0] not in (0, 1):
+            raise ConnectionError("not a TCPStore: its answer to CHECK was wrong")
 
     def _key(self, key: str) -> bytes:
         return _string((self.prefix + key).encode())

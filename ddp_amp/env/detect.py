@@ -43,6 +43,9 @@ class DistEnv:
     # torchrun's agent already hosts the TCP store at MASTER_ADDR:MASTER_PORT; rank 0 must
     # then connect as a client instead of opening a second server on the same port.
     agent_hosts_store: bool = False
+    # Started by torchrun's agent, which then outlives this worker as its parent: the agent
+    # says whether it hosts the store in every torch (2.4's does not under c10d rendezvous).
+    under_agent: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -106,6 +109,7 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
         restart_count=_int(environ, "TORCHELASTIC_RESTART_COUNT", default=0),
         run_id=launcher_run_id(environ),
         agent_hosts_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        under_agent="TORCHELASTIC_USE_AGENT_STORE" in environ,
     )
 
 

@@ -46,10 +46,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from ddp_amp.distributed import all_gather_objects, local_part
+from ddp_amp.torch_api import DTensor
 
 ARMED_FOR = 200  # steps the probe stays armed after the last check that saw new skips
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ddp_amp.amp import AgreedGradScaler
 from ddp_amp.distributed import all_gather_objects
 from ddp_amp.errors import TrainingHalted
+from ddp_amp.torch_api import DTensor
 
 
 @torch.no_grad()

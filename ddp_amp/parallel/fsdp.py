@@ -22,10 +22,9 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from ddp_amp.errors import UsageError
+from ddp_amp.torch_api import CPUOffloadPolicy, DTensor, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 # What a task may name its units by: module classes, or a function of the model.
 Units = tuple[type[nn.Module], ...] | Callable[[nn.Module], Iterable[nn.Module]] | None

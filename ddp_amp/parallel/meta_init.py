@@ -47,14 +47,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map
 
 from ddp_amp.errors import UsageError
 from ddp_amp.parallel.host_pages import mapped_copy, mapped_empty, mapped_zeros
 from ddp_amp.parallel.init_skip import PlanDiverged, skip_plan
 from ddp_amp.parallel.row_draws import FILLS, pieces_exact
 from ddp_amp.parallel.shard_rows import BuildValues, ShardSlot, SlotBuild
+from ddp_amp.torch_api import DTensor, disabled_torch_function_impl, make_wrapper_subclass, tree_map
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +81,14 @@ class _Slice(torch.Tensor):
 
     @staticmethod
     def __new__(cls, shape: torch.Size, dtype: torch.dtype, values: BuildValues) -> _Slice:
-        made = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=torch.device("cpu"))
+        made = make_wrapper_subclass(cls, shape, dtype=dtype, device=torch.device("cpu"))
         made.held = values
         return made
 
     def __repr__(self) -> str:  # type: ignore[override]  # no values to print
         return f"_Slice({self.held.label}, shape={tuple(self.shape)})"
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # dispatch level only
+    __torch_function__ = disabled_torch_function_impl  # type: ignore[assignment]  # dispatch level only
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),  # type: ignore[override]

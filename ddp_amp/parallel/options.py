@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ddp_amp.errors import UsageError, spelled
 from ddp_amp.option_values import INT_LIMIT, ComponentOptions, check_fields, flag_of, option
-from ddp_amp.parallel.plan import CHECKPOINTING, CHECKPOINTING_CHOICES
+from ddp_amp.parallel.plan import CHECKPOINTING, CHECKPOINTING_CHOICES, require_sharding
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class ParallelOptions(ComponentOptions):
             if self.static_graph:
                 raise UsageError(flag_of("static_graph"), True, "an option that works with --shard",
                                  f"{flag_of('static_graph')} is not supported with --shard yet; drop one of them")
+            require_sharding((flag_of("shard"), flag_of("activation_checkpointing")), self.activation_checkpointing)
         elif (not self.reshard_after_forward or self.activation_checkpointing != "none" or self.replicate != 1
               or self.cpu_offload or self.shard_param_dtype != "fp32"):
             name = next(name for name, on in (("activation_checkpointing", self.activation_checkpointing != "none"),

@@ -19,6 +19,7 @@ import torch
 from ddp_amp.errors import UsageError
 from ddp_amp.option_values import TextKind
 from ddp_amp.parallel.fsdp import Units
+from ddp_amp.torch_api import SELECTIVE_RECOMPUTE, SHARDING
 
 # --grad-comm-dtype: the dtype gradients cross the wire in (None: fp32, DDP's own all-reduce).
 COMM_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,6 +45,15 @@ def checkpointing_mode(value: str | bool, where: str = "--activation-checkpointi
 CHECKPOINTING = TextKind(checkpointing_mode, lambda mode: checkpointing_mode(mode))
 
 
+def require_sharding(names: tuple[str, str], checkpointing: bool | str) -> None:
+    """Refuse sharding, and selective recompute where `checkpointing` asks for it, in one line
+    naming the torch each needs, where this torch is older. `names`: how the caller spells
+    the two options (`--shard`, `--activation-checkpointing` or a class's keywords)."""
+    SHARDING.require(names[0], True)
+    if checkpointing == "selective":
+        SELECTIVE_RECOMPUTE.require(names[1], checkpointing)
+
+
 @dataclass(frozen=True)
 class ShardOptions:
     """How a session shards its models (`--shard` and the options that go with it)."""
@@ -65,6 +75,7 @@ class ShardOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "activation_checkpointing",
                            checkpointing_mode(self.activation_checkpointing, "ShardOptions.activation_checkpointing"))
+        require_sharding(("ShardOptions", "ShardOptions.activation_checkpointing"), self.activation_checkpointing)
         if self.replicate < 1:
             raise UsageError("ShardOptions.replicate", self.replicate, "an integer >= 1",
                              "1 shards over every rank; R > 1 makes R replicas, each sharded")
@@ -127,6 +138,8 @@ class ParallelPlan:
         if self.param_dtype not in PARAM_DTYPES:
             raise UsageError("--shard-param-dtype", self.param_dtype, "one of " + ", ".join(PARAM_DTYPES), "")
         if self.shard:
+            require_sharding(("ParallelPlan.shard", "ParallelPlan.activation_checkpointing"),
+                             self.activation_checkpointing)
             # What only DDP does, or sharding does not support yet, in the order setup takes it.
             refused = [name for name, value in self.ddp_keywords().items()
                        if value and name != "gradient_as_bucket_view"]

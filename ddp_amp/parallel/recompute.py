@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
+
+from ddp_amp.torch_api import (SAC_IGNORED_OPS, CheckpointPolicy, composable_checkpoint,
+                               create_selective_checkpoint_contexts)
 
 # The ops whose outputs selective checkpointing keeps: matrix products and fused attention.
 # Looked up by name, as which attention kernels exist depends on the build (CPU, CUDA, cuDNN).
@@ -49,7 +51,6 @@ def checkpoint_units(units: list[nn.Module], mode: str) -> None:
     """Checkpoint each unit in place: `mode` "full" or "selective" ("none" leaves them)."""
     if mode == "none":
         return
-    from torch.distributed._composable import checkpoint  # the composable form keeps parameter names
     options: dict[str, Any] = {}
     if mode == "selective":
         # Torch's public set of the ops both modes let through, read at each op: the
@@ -57,4 +58,4 @@ def checkpoint_units(units: list[nn.Module], mode: str) -> None:
         SAC_IGNORED_OPS.update(ANNOTATION_OPS)
         options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_products)
     for unit in units:
-        checkpoint(unit, **options)
+        composable_checkpoint(unit, **options)  # the composable form keeps parameter names

@@ -13,14 +13,16 @@ from collections.abc import Mapping
 import torch
 
 from ddp_amp.amp import Precision, resolve_precision
-from ddp_amp.distributed import DeviceChoice, resolve_device
+from ddp_amp.distributed import DeviceChoice, resolve_backend, resolve_device
 from ddp_amp.env import DistEnv
 from ddp_amp.parallel import ShardOptions, check_gather_dtype
+from ddp_amp.torch_api import HSDP_OVER_GLOO
 
 # The names a refusal gives the options: `Session`'s keywords, or the command line's flags.
 KEYWORDS: Mapping[str, str] = {"precision": "precision", "device": "device",
-                               "param_dtype": "ShardOptions.param_dtype"}
-FLAGS: Mapping[str, str] = {"precision": "--precision", "device": "--device", "param_dtype": "--shard-param-dtype"}
+                               "param_dtype": "ShardOptions.param_dtype", "replicate": "ShardOptions.replicate"}
+FLAGS: Mapping[str, str] = {"precision": "--precision", "device": "--device", "param_dtype": "--shard-param-dtype",
+                            "replicate": "--replicate"}
 
 
 def resolve_choices(precision: str | torch.dtype, device: DeviceChoice, backend: str, env: DistEnv,
@@ -32,4 +34,6 @@ def resolve_choices(precision: str | torch.dtype, device: DeviceChoice, backend:
     resolved = resolve_precision(precision, chosen, fp8_emulate, names["precision"])
     if shard is not None:
         check_gather_dtype(shard.param_dtype, resolved.name, (names["param_dtype"], names["precision"]))
+        if shard.replicate > 1 and resolve_backend(backend, chosen) == "gloo":  # type: ignore[arg-type]
+            HSDP_OVER_GLOO.require(names["replicate"], shard.replicate)
     return chosen, resolved

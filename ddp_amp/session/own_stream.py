@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+
+from ddp_amp.torch_api import TorchDispatchMode, tree_flatten, tree_map
 
 
 def _draws_from_default_cpu(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> bool:

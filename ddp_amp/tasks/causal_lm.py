@@ -47,6 +47,7 @@ from ddp_amp.data.windows import IGNORE
 from ddp_amp.distributed import on_every_rank
 from ddp_amp.errors import UsageError
 from ddp_amp.tasks import parse_task_options
+from ddp_amp.torch_api import DOCUMENT_MASKS
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -79,6 +80,9 @@ def read_options(config: TrainConfig) -> dict[str, Any]:
                              f"e.g. --task-opt {key}={choices[1] if not choices[0] else choices[0]}")
     for key in SWITCHES:
         values[key] = _switch(key, values[key])
+    if values["boundaries"]:
+        DOCUMENT_MASKS.require("--task-opt boundaries", "true", otherwise="drop it (documents then attend across "
+                               "their boundaries in a packed window)")
     if not values["model"]:
         raise UsageError("--task-opt model", "(none)", "a Hugging Face model directory (config.json and tokenizer)",
                          "e.g. --task-opt model=/models/Llama-3.2-1B")

@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 
 from ddp_amp.errors import UsageError
 from ddp_amp.option_values import StepWindow
+from ddp_amp.torch_api import dump_memory_snapshot, profiler_keeps_events, record_memory_history
 
 TOP_OPS = 10  # rows of the per-step table rank 0 prints
 
@@ -57,7 +58,7 @@ class ProfileWindow:
         self._prof: profile | None = None
         self._steps = 0
         if self.memory_snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            record_memory_history(max_entries=100_000)
 
     @property
     def active(self) -> bool:
@@ -72,7 +73,8 @@ class ProfileWindow:
             with warnings.catch_warnings():  # a window of its own needs no warm-up steps
                 warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
                 self._prof = profile(activities=activities,
-                                     schedule=schedule(wait=0, warmup=0, active=length, repeat=1), acc_events=True,
+                                     schedule=schedule(wait=0, warmup=0, active=length, repeat=1),
+                                     **profiler_keeps_events(),
                                      on_trace_ready=tensorboard_trace_handler(str(self.out_dir),
                                                                               worker_name=f"rank{self.rank}"))
                 self._prof.start()
@@ -101,6 +103,6 @@ class ProfileWindow:
         if self.memory_snapshot and self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             path = self.out_dir / f"memory-rank{self.rank}.pickle"
-            torch.cuda.memory._dump_snapshot(str(path))
+            dump_memory_snapshot(str(path))
             if why:
                 self.info(f"memory snapshot ({why}) written to {path}")
