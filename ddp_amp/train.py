@@ -30,7 +30,7 @@ _STARTUP = EarlySignals((signal.SIGUSR1, signal.SIGTERM)) if __name__ == "__main
 from torch import nn
 
 from ddp_amp.checkpoint import (HF_CONFIG, HF_FILES, checkpoint_root, ensure_writable, hf_config_record,
-                                list_step_dirs, match_weights, read_headers)
+                                WeightHeaders, list_step_dirs, match_weights, read_headers)
 from ddp_amp.command_line import config_toml, parse_command_line
 from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import agreed_origin, on_every_rank, publish_failure
@@ -61,10 +61,13 @@ def train(config: TrainConfig, session: Session) -> dict[str, Any]:
     start = config.checkpoint_options()
     # A resume takes its checkpoint's weights: the pretrained files may be gone by then.
     pretrained = start.init_weights if start.init_weights and _starts_fresh(config, run_dir) else ""
+    # Its files are read first: a missing or truncated one is refused before the task reads its data.
+    headers = on_every_rank(lambda: read_headers(pretrained)) if pretrained else None
     filled: list[frozenset[str]] = [frozenset()]
 
     def check_weights(task: Task) -> frozenset[str]:
-        filled[0] = check_initial_weights(task, pretrained, start.init_weights_strict)
+        if headers is not None:
+            filled[0] = check_initial_weights(task, headers, start.init_weights_strict)
         return filled[0]
 
     # A task that fails to build on some ranks only fails on every rank, with its message.
@@ -79,13 +82,11 @@ def train(config: TrainConfig, session: Session) -> dict[str, Any]:
         lock.release()
 
 
-def check_initial_weights(task: Task, source: str, strict: bool) -> frozenset[str]:
-    """The names of the task's model that `--init-weights` fills, from every file's header and
+def check_initial_weights(task: Task, headers: WeightHeaders, strict: bool) -> frozenset[str]:
+    """The names of the task's model that `--init-weights` fills, from the files' `headers` and
     the model's names and shapes (its factory run on the meta device: nothing built or drawn),
-    before anything is built or written; a one-line UsageError for a file missing, truncated
-    or unreadable, a name or a shape. Empty where the factory cannot build on the meta device
-    (the load checks the same, after the build)."""
-    headers = read_headers(source)
+    before anything is built or written; a one-line UsageError for a name or a shape. Empty
+    where the factory cannot build on the meta device (the load checks the same, after the build)."""
     model = task.model if task.model is not None else meta_model(task.build_model) if task.build_model else None
     return match_weights(model, headers, strict).filled if model is not None else frozenset()
 

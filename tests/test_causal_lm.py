@@ -147,6 +147,14 @@ def test_bad_input_is_one_line_and_nothing_is_written(tmp_path: Path, corpus: di
     (small / "config.json").write_text(json.dumps({**config, "vocab_size": 300}))
     line = _refusal([*_args(corpus, *text), "--task-opt", f"model={small}"], tmp_path, capsys)
     assert "text.jsonl, line 1: expected token ids below the models vocab_size 300" in line
+    # A truncated weights file is refused from its header, before the data is read or cached.
+    truncated = tmp_path / "truncated.safetensors"
+    weights = (corpus["model"] / "model.safetensors").read_bytes()
+    truncated.write_bytes(weights[:len(weights) // 2])
+    fresh_cache = tmp_path / "fresh_cache"
+    line = _refusal([*_args(corpus, *text, "--init-weights", str(truncated)), "--data-cache", str(fresh_cache)],
+                    tmp_path, capsys)
+    assert "truncated.safetensors" in line and not fresh_cache.exists(), line
     empty = write_jsonl(tmp_path / "empty.jsonl", [{"text": ""}, {"text": ""}])
     assert "expected at least one non-empty document" in _refusal(_args(corpus, "--data", str(empty)), tmp_path,
                                                                   capsys)
