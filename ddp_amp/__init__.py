@@ -12,6 +12,7 @@ The CLI (`python -m ddp_amp.train`) is built on the same public pieces.
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ddp_amp import start_parent as _start_parent  # noqa: F401  # before anything slow: its first look at the parent
 from ddp_amp.version import __version__
 
 # Where each public name lives, imported on first use: `python -m ddp_amp.train` imports this

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ddp_amp.env import DistEnv
+from ddp_amp.start_parent import PARENT_AT_START
 from ddp_amp.errors import UsageError
 
 REFUSED_FOR_S = 5.0  # a launcher's store that refuses connections this long is gone
@@ -48,7 +49,8 @@ class LauncherCheck:
         # Only a launcher that outlives its workers is watched: torchrun's agent (whether or
         # not it hosts the store), slurmstepd. A hand-made env:// launch may well have a parent that ends.
         watched = env.under_agent or env.launcher == "slurm"
-        self.parent_pid = os.getppid() if watched else None
+        # The parent when the process started: the agent may have died since (start_parent.py).
+        self.parent_pid = PARENT_AT_START if watched else None
         self.name = (_command_name(self.parent_pid) or env.launcher) if self.parent_pid else ""
         self.store_by_launcher = env.agent_hosts_store
         self.address = _store_address(store)
