@@ -30,6 +30,7 @@ from ddp_amp.bench import rank_zero
 from ddp_amp.bench.file_ops import FileOps
 from ddp_amp.parallel import ShardOptions
 from tests.multiproc import run_ranks
+from tests.torch_features import needs_sharding
 
 FIRST, SECOND, THIRD, FOURTH = (f"step-0000000{step}" for step in (1, 2, 3, 4))
 SHARED_FOLDERS = ("sharded", "rng", "ranks", "per_rank")  # every rank writes into them: listing one is O(N)
@@ -115,6 +116,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_ranks(_two_ranks, 2, str(folder), str(legacy), timeout=240)
 
 
+@needs_sharding
 def test_each_rank_writes_and_reads_its_own_files_and_rank_zero_touches_none_of_the_others(
         two_ranks: list[dict[str, Any]]) -> None:
     for rank, result in enumerate(two_ranks):
@@ -138,6 +140,7 @@ def test_each_rank_writes_and_reads_its_own_files_and_rank_zero_touches_none_of_
     assert not rank1, rank1  # rank 0 neither wrote, stat-ed nor read any of rank 1's files
 
 
+@needs_sharding
 def test_each_rank_deletes_its_own_files_of_the_checkpoints_retention_lets_go(
         two_ranks: list[dict[str, Any]]) -> None:
     for rank, result in enumerate(two_ranks):
@@ -151,6 +154,7 @@ def test_each_rank_deletes_its_own_files_of_the_checkpoints_retention_lets_go(
     assert two_ranks[0]["left"] == [THIRD, FOURTH]  # nothing of the two let go, nothing retired, is left
 
 
+@needs_sharding
 def test_a_checkpoint_of_the_format_before_gives_each_rank_its_own_value(two_ranks: list[dict[str, Any]]) -> None:
     every = torch.load(LEGACY / "task_state.pt", weights_only=True)["ranks"]
     for rank, result in enumerate(two_ranks):
@@ -159,6 +163,7 @@ def test_a_checkpoint_of_the_format_before_gives_each_rank_its_own_value(two_ran
     assert not torch.equal(every[0]["value"], every[1]["value"])
 
 
+@needs_sharding
 def test_a_damaged_file_of_one_rank_falls_back_and_is_refused_by_name(two_ranks: list[dict[str, Any]],
                                                                       tmp_path: Path) -> None:
     for result in two_ranks:
