@@ -50,10 +50,18 @@ STORE_SHARE_TARGET = 0.10  # of one core
 JUDGE_SHARE_TARGET = 0.02  # of one core, on each judge rank
 RATE_TOLERANCE = 0.05
 BEATERS = Path(__file__).with_name("beaters.py")
+# The store on an IPv4 listener of the bench's own. torch 2.4's libuv server takes no
+# listener (NotImplementedError): there it listens on its own (dual-stack: each client's
+# name lookup may stall; docs/facts.md), as it does in users' jobs on that torch.
 _SERVER = ("import socket, sys, datetime, torch.distributed as d\n"
            "listener = socket.socket(); listener.bind(('127.0.0.1', 0)); listener.listen(4096)\n"
-           "s = d.TCPStore('127.0.0.1', listener.getsockname()[1], 1, True, timeout=datetime.timedelta(seconds=60),"
-           " wait_for_workers=False, master_listen_fd=listener.detach())\n"
+           "options = dict(timeout=datetime.timedelta(seconds=60), wait_for_workers=False)\n"
+           "try:\n"
+           "    s = d.TCPStore('127.0.0.1', listener.getsockname()[1], 1, True, master_listen_fd=listener.fileno(),"
+           " **options)\n"
+           "    listener.detach()\n"
+           "except NotImplementedError:\n"
+           "    listener.close(); s = d.TCPStore('127.0.0.1', 0, 1, True, **options)\n"
            "print(s.port, flush=True)\n"
            "sys.stdin.read()\n")
 
