@@ -95,6 +95,7 @@ def _one_error_line(stderr: str) -> str:
     return errors[0]
 
 
+@needs_sharding
 def test_init_weights_are_checked_from_the_file_headers_before_the_model_is_built(tmp_path: Path) -> None:
     pretrained = tmp_path / "pretrained"
     _pretrained(pretrained)
