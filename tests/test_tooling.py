@@ -11,6 +11,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+import torch
+
+from ddp_amp.torch_api import TORCH_RELEASE
 from tests.multiproc import REPO_ROOT, cli_env
 
 LINTED = ["ddp_amp", "tests", "examples"]
@@ -26,6 +30,9 @@ def test_ruff_finds_nothing() -> None:
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
 
+# mypy reads the installed torch's type stubs: the tree is typed against the torch CI runs.
+# An older torch's stubs lack names ddp_amp takes only where that torch has them (torch_api.py).
+@pytest.mark.skipif(TORCH_RELEASE != (2, 13), reason=f"the tree is typed against torch 2.13, not {torch.__version__}")
 def test_mypy_finds_nothing() -> None:
     result = _run("mypy")  # the files and the options: pyproject.toml's [tool.mypy]
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
