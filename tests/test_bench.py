@@ -8,6 +8,7 @@ tested on the tiny run's own result dicts, with figures set on either side of ea
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import math
 import subprocess
@@ -106,7 +107,9 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None
     transformer = report["sections"]["transformer"]
     rows = {row["precision"]: row for row in transformer["rows"]}
     assert set(rows) == {"fp32", "fp8"}
-    assert "compute capability 8.9" in rows["fp8"]["skipped"]  # no float8 matmuls on a CPU: says why
+    # No float8 matmuls on a CPU, and no torchao for torch 2.4: either way the row says why.
+    why = "compute capability 8.9" if importlib.util.find_spec("torchao") else "torchao is not installed"
+    assert why in rows["fp8"]["skipped"], rows["fp8"]
     for name in ("fp32",):
         row = rows[name]
         _sane_ratio(row["trainer_over_hand"])
@@ -119,12 +122,13 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None
     assert "Transformer: GPT-2-shaped decoder" in text and "fp8: not run" in text
     # Each rank's peak while built sharded, the stack's and a transformers Llama's: shares of a
     # few KiB or MiB are shown but not held to the target.
-    build = report["sections"]["memory"]["build"]
-    (llama_row,) = build["llama"]["rows"]
-    assert len(llama_row["of_share_per_rank"]) == 4 and "transformers LlamaForCausalLM" in text
-    sharded = [row for row in [*build["rows"], llama_row] if "target" in row]
-    assert len(sharded) == 4
-    assert all(row["meets_target"] is None and "too small" in row["target_note"] for row in sharded)
+    if SHARDING.available():  # else not run (test_check_lists_every_target... checks the reason)
+        build = report["sections"]["memory"]["build"]
+        (llama_row,) = build["llama"]["rows"]
+        assert len(llama_row["of_share_per_rank"]) == 4 and "transformers LlamaForCausalLM" in text
+        sharded = [row for row in [*build["rows"], llama_row] if "target" in row]
+        assert len(sharded) == 4
+        assert all(row["meets_target"] is None and "too small" in row["target_note"] for row in sharded)
     # The real judges against one real store, 16 ranks each with its own connection, one
     # stopping: named, and no other; the rate achieved is reported beside the one asked.
     (scale_row,) = report["sections"]["scale"]["rows"]
@@ -141,9 +145,10 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None
     assert [row["windows"] for row in data["memory"]["rows"]] == [1_000, 1_000_000_000]
     assert "data: a rank opening a cache entry" in text
     # Rank 0's share of a save and a resume at 4 and 16 emulated ranks: the same file operations.
-    small, large = report["sections"]["resume"]["rank_zero"]["rows"]
-    assert (small["ranks"], large["ranks"]) == (4, 16) and small["save_ops"] == large["save_ops"] > 0
-    assert small["resume_ops"] == large["resume_ops"] > 0 and "rank 0's share at N emulated ranks" in text
+    if SHARDING.available():
+        small, large = report["sections"]["resume"]["rank_zero"]["rows"]
+        assert (small["ranks"], large["ranks"]) == (4, 16) and small["save_ops"] == large["save_ops"] > 0
+        assert small["resume_ops"] == large["resume_ops"] > 0 and "rank 0's share at N emulated ranks" in text
 
 
 def test_check_lists_every_target_and_exits_1_exactly_when_one_is_missed(tiny_run: Run) -> None:
