@@ -19,7 +19,6 @@ import os
 import signal
 import socket
 import statistics
-import sys
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -34,6 +33,7 @@ from ddp_amp.env import DistEnv, detect_env, launched_by_srun, launched_by_torch
 from ddp_amp.errors import UsageError
 from ddp_amp.amp import resolve_precision
 from ddp_amp.amp.float8 import fp8_unavailable
+from ddp_amp.fast_exit import exit_process
 
 Finding = tuple[str, str]  # (level: ok | warn | error, message)
 
@@ -220,4 +220,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

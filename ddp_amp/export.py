@@ -45,6 +45,7 @@ from ddp_amp.checkpoint import (HF_CONFIG, TIED, IncompleteCheckpoint, Meta, che
                                 verify_checkpoint, write_hf_directory)
 from ddp_amp.durable import write_atomic
 from ddp_amp.errors import UsageError
+from ddp_amp.fast_exit import exit_process
 from ddp_amp.version import __version__
 
 SOURCE = "RUN_DIR_OR_CHECKPOINT"
@@ -388,4 +389,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_amp.errors import UsageError
+from ddp_amp.fast_exit import exit_process
 
 FIGSIZE = (8.0, 4.5)  # inches; at DPI this is 800 x 450 pixels
 DPI = 100
@@ -143,4 +144,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

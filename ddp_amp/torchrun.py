@@ -22,6 +22,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.run import main as torchrun_main
 
+from ddp_amp.fast_exit import exit_process
 from ddp_amp.torch_api import NEWER_TORCHRUN_OPTIONS, torchrun_knows
 
 
@@ -61,4 +62,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

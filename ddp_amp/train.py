@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ddp_amp.fast_exit import exit_process
 from ddp_amp.startup_signals import EarlySignals
 
 # Before the imports below (torch's takes seconds): a SLURM warning can land this early, and
@@ -238,4 +239,4 @@ def _failure_line(error: Exception, origin: int) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(exiting=True))
+    exit_process(main(exiting=True))

@@ -40,6 +40,7 @@ import torch
 from ddp_amp.bench import (activation_memory, amp_recipe, build_memory, checkpoint_stall, data, fastpaths, host,
                            memory, overhead, rank_zero, resume, scale, table, transformer)
 from ddp_amp.bench.targets import check_report, check_text
+from ddp_amp.fast_exit import exit_process
 from ddp_amp.torch_api import SHARDING
 
 SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint", "memory", "resume", "scale",
@@ -317,4 +318,4 @@ def check(report: dict[str, Any]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
