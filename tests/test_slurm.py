@@ -62,7 +62,11 @@ def _preemptible(max_steps: int) -> list[str]:
             "--log-every", "25", "--preempt-check-s", "0.2"]
 
 
-PREEMPTIBLE = _preemptible(3000)
+# Long enough that a stop lands mid-run on a fast idle machine (a signal takes well under a
+# second to reach the ranks, about 300 steps there), short enough that the rest after the
+# last stop, and the reference run beside the job, cost little.
+PREEMPTIBLE_STEPS = 1000
+PREEMPTIBLE = _preemptible(PREEMPTIBLE_STEPS)
 
 
 def _job_beside_reference(cluster: Cluster, tmp_path: Path, args: list[str]) -> tuple[Path, str, Future]:
@@ -105,10 +109,10 @@ def test_a_job_preempted_twice_resumes_bitwise(slurm_cluster: Cluster, tmp_path:
     stops = [r for r in _records(job_dir, job) if r.get("event") == "preempted"]
     assert [(r["action"], r["requeuing"]) for r in stops] == [("requeue", True), ("requeue", True)], stops
     assert _requeued(job_dir, job) == [(r["step"], True) for r in stops]
-    assert stops[0]["step"] < stops[1]["step"] < 3000
+    assert stops[0]["step"] < stops[1]["step"] < PREEMPTIBLE_STEPS
     assert info["ExitCode"] == "0:0" and "srun --kill-on-bad-exit=1" in out, out  # the template prints its command
     summary = _summary(job_dir, job)
-    assert summary["steps"] == 3000 and summary["world_size"] == 2
+    assert summary["steps"] == PREEMPTIBLE_STEPS and summary["world_size"] == 2
     # The run directory is named after the job id, so each requeued window found it again.
     config = json.loads((job_dir / "runs" / f"mlp-{job}" / "config.json").read_text())
     assert config["env"]["launcher"] == "slurm" and config["env"]["run_id"] == job
@@ -140,7 +144,7 @@ def test_multi_node_template_preempted_stops_quietly(slurm_cluster: Cluster, tmp
     requeues with one stop line, no launcher traceback, and a preempted record; the
     requeued job completes."""
     job = sbatch(slurm_cluster, REPO_ROOT / "slurm" / "multi_node.sbatch", ["--gpus-per-node=0", "--nodes=2"],
-                 _preemptible(1500), tmp_path, NPROC_PER_NODE="1")
+                 _preemptible(PREEMPTIBLE_STEPS), tmp_path, NPROC_PER_NODE="1")
     _wait_until(lambda: any("loss" in r for r in _records(tmp_path, job)), "training")
     subprocess.run(["scancel", "--signal=USR1", job], env=slurm_cluster.env(), check=True, timeout=30)
     info = wait_job(slurm_cluster, job, timeout=300)
@@ -152,7 +156,7 @@ def test_multi_node_template_preempted_stops_quietly(slurm_cluster: Cluster, tmp
     assert len(stops) == 1 and stops[0]["requeuing"] and _requeued(tmp_path, job) == [(stops[0]["step"], True)], stops
     assert info["NumNodes"] == "2"  # one torchrun per node, one world of two
     summary = _summary(tmp_path, job)
-    assert summary["world_size"] == 2 and summary["steps"] == 1500
+    assert summary["world_size"] == 2 and summary["steps"] == PREEMPTIBLE_STEPS
     config = json.loads((tmp_path / "runs" / f"mlp-{job}" / "config.json").read_text())
     assert config["env"]["launcher"] == "torchrun"
 
