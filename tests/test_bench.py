@@ -46,10 +46,12 @@ def test_help_describes_every_section() -> None:
         assert word in result.stdout, word
 
 
-def test_bad_section_is_a_one_line_usage_error() -> None:
-    result = _bench("--sections", "recipe,nope", timeout=60)
+@pytest.mark.parametrize(("bad", "named"), [(("--sections", "recipe,nope"), "nope"),
+                                            (("--resume-widths", "wide"), "'wide' for --resume-widths")])
+def test_a_bad_value_is_a_one_line_usage_error(bad: tuple[str, str], named: str) -> None:
+    result = _bench(*bad, timeout=60)
     assert result.returncode == 2
-    assert "nope" in result.stderr and "Traceback" not in result.stderr
+    assert named in result.stderr and "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                     "--build-width", "64", "--build-layers", "4", "--build-llama-width", "64",
                     "--build-llama-layers", "1", "--build-runs", "1",
                     "--activation-width", "32", "--activation-layers", "2", "--activation-tokens", "16",
-                    "--scale-ranks", "16", "--scale-silence", "2", "--resume-ranks", "4,16", "--resume-repeats", "1",
+                    "--scale-ranks", "16", "--scale-silence", "2", "--resume-ranks", "4,16", "--resume-widths", "256",
+                    "--resume-repeats", "1",
                     "--data-copies", "1", "--data-trials", "1",
                     "--check", "--json", str(out))
     assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-3000:]
@@ -146,6 +149,9 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None
     assert "data: a rank opening a cache entry" in text
     # Rank 0's share of a save and a resume at 4 and 16 emulated ranks: the same file operations.
     if SHARDING.available():
+        verified = report["sections"]["resume"]["rows"]
+        assert [(row["width"], row["ranks"]) for row in verified] == [(256, 1), (256, 2), (256, 4)]
+        assert all(row["found"] and row["meets_target"] for row in verified), verified
         small, large = report["sections"]["resume"]["rank_zero"]["rows"]
         assert (small["ranks"], large["ranks"]) == (4, 16) and small["save_ops"] == large["save_ops"] > 0
         assert small["resume_ops"] == large["resume_ops"] > 0 and "rank 0's share at N emulated ranks" in text

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume-ranks", default=",".join(map(str, rank_zero.RANKS)),
                         help="the resume section's emulated world sizes for rank 0's share, comma-separated; the "
                         "first and the last are compared (default: %(default)s)")
+    parser.add_argument("--resume-widths", default=",".join(map(str, resume.WIDTHS)),
+                        help="the resume section's model widths for each rank's verification, comma-separated "
+                        "(default: %(default)s)")
     parser.add_argument("--resume-repeats", type=int, default=rank_zero.REPEATS,
                         help="the resume section's saves per emulated world size, each with "
                         f"{rank_zero.RESUME_REPEATS} resumes (default: %(default)s)")
@@ -199,12 +202,17 @@ def _defaults(args: argparse.Namespace) -> argparse.Namespace:
         args.resume_ranks = tuple(int(n) for n in args.resume_ranks.split(","))
     except ValueError:
         _fail(f"bad value {args.resume_ranks!r} for --resume-ranks; expected world sizes such as 64,4096,16384")
+    try:
+        args.resume_widths = tuple(int(n) for n in args.resume_widths.split(","))
+    except ValueError:
+        _fail(f"bad value {args.resume_widths!r} for --resume-widths; expected model widths such as 256,1024")
     args.trials = tuple(t.strip() for t in args.trials.split(",") if t.strip())
     args.transformer_precisions = tuple(t.strip() for t in args.transformer_precisions.split(",") if t.strip())
     bad = ([s for s in args.sections if s not in SECTIONS] + [t for t in args.trials if t not in amp_recipe.TRIALS]
            + [t for t in args.transformer_precisions if t not in transformer.PRECISIONS])
     counts = (args.batches, args.epochs, args.ranks, args.blocks, args.steps_per_block, args.transformer_batch or 1,
-              args.resume_repeats, min(args.resume_ranks) - 1, args.data_copies, args.data_trials)
+              args.resume_repeats, min(args.resume_ranks) - 1, min(args.resume_widths), args.data_copies,
+              args.data_trials)
     if bad or args.scale <= 0 or min(counts) < 1:
         _fail(f"bad value {bad[0] if bad else 'among the numbers'}; "
               f"sections {', '.join(SECTIONS)}, trials {', '.join(amp_recipe.TRIALS)}, transformer "
@@ -281,7 +289,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                        args.activation_tokens)
         print("\n" + activation_memory.activation_table(section["activations"]), flush=True)
     if "resume" in args.sections and SHARDING.available():
-        section = resume.run(emulated=args.resume_ranks, repeats=args.resume_repeats)
+        section = resume.run(widths=args.resume_widths, emulated=args.resume_ranks, repeats=args.resume_repeats)
         report["sections"]["resume"] = section
         print("\n" + resume.resume_table(section), flush=True)
     if "scale" in args.sections:
