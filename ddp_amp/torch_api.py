@@ -34,6 +34,8 @@ Private torch APIs still used, and why (none has a public form from 2.4 to 2.15)
   `_dump_snapshot`): the CUDA memory snapshot, documented by torch under these names.
 - `cpu_has_native_bf16` reads `torch.cpu._is_avx512_bf16_supported` and
   `_is_amx_tile_supported` where torch has them (2.5 on), else the kernel's CPU flags.
+- `compiled_graphs` reads dynamo's tally (`torch._dynamo.utils.counters`): the one count of
+  the graphs compiled so far, which the log shows under `--compile` (recompiles show as growth).
 - `GRAD_SCALER_INTERNALS`: `ddp_amp.amp.scaler.AgreedGradScaler` extends torch's
   GradScaler through its per-optimizer state and helpers (the found-inf flags it agrees on
   across ranks, the fused-optimizer step); GradScaler has no public hook for either.
@@ -46,7 +48,7 @@ import codecs
 import inspect
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,12 +63,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ddp_amp.errors import UsageError
 
 __all__ = [
-    "DCP_PICKLED_GLOBALS", "DOCUMENT_MASKS", "FEATURES", "FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST",
+    "COMPILER_STANCE", "DCP_PICKLED_GLOBALS", "DOCUMENT_MASKS", "FEATURES", "FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST",
     "GRAD_SCALER_INTERNALS", "HSDP_OVER_GLOO", "NEWER_TORCHRUN_OPTIONS", "SAC_IGNORED_OPS", "SELECTIVE_RECOMPUTE",
     "SHARDING", "SUPPORTED", "TORCH_RELEASE", "AsyncSaveResponse", "CPUOffloadPolicy", "CheckpointPolicy", "DTensor",
     "FSDPModule", "Feature", "MixedPrecisionPolicy", "OffloadPolicy", "Replicate", "TorchDispatchMode",
-    "composable_checkpoint", "compute_local_shape_and_global_offset", "cpu_has_native_bf16",
-    "create_selective_checkpoint_contexts", "dcp_metadata_path", "disabled_torch_function_impl",
+    "compiled_eagerly", "compiled_graphs", "composable_checkpoint", "compute_local_shape_and_global_offset",
+    "cpu_has_native_bf16", "create_selective_checkpoint_contexts", "dcp_metadata_path", "disabled_torch_function_impl",
     "dump_memory_snapshot", "fully_shard", "make_wrapper_subclass", "profiler_keeps_events", "record_memory_history",
     "release", "safe_globals", "set_transformer_fastpath", "torchrun_knows", "tree_flatten", "tree_map",
 ]
@@ -145,7 +147,12 @@ transformers turns restarting positions into a mask that keeps attention within 
 document only on torch 2.6 or newer (its masking_utils); on an older torch the documents
 would attend across their boundaries without a word (seen on 2.4.1 with transformers 4.56)."""
 
-FEATURES = (SHARDING, SELECTIVE_RECOMPUTE, HSDP_OVER_GLOO, DOCUMENT_MASKS)
+COMPILER_STANCE = Feature("running compiled code eagerly for a while", (2, 6), ("torch.compiler.set_stance",))
+"""What lets the first step's FLOPs be counted under `--compile` (metrics/throughput.py):
+compiled code runs eagerly inside `torch.compiler.set_stance("force_eager")` and compiles
+on its next call. Without it (2.4, 2.5) a compiled run's FLOPs are not counted."""
+
+FEATURES = (SHARDING, SELECTIVE_RECOMPUTE, HSDP_OVER_GLOO, DOCUMENT_MASKS, COMPILER_STANCE)
 
 FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST = TORCH_RELEASE < (2, 6)
 """Whether torch's fused inference path of `nn.TransformerEncoderLayer` (its "fast path",
@@ -297,6 +304,21 @@ def safe_globals(allowed: list[Any]) -> Iterator[None]:
     finally:
         torch.serialization.clear_safe_globals()
         torch.serialization.add_safe_globals(before)
+
+
+def compiled_eagerly() -> AbstractContextManager[Any]:
+    """Inside it, whatever `torch.compile` wrapped runs eagerly and is compiled on its next
+    call outside (COMPILER_STANCE; torch 2.6 on)."""
+    COMPILER_STANCE.require("compiled_eagerly()", "called")
+    return torch.compiler.set_stance("force_eager")
+
+
+def compiled_graphs() -> int:
+    """How many graphs dynamo has compiled in this process so far (its own tally, which
+    torch keeps in `torch._dynamo.utils.counters`; 0 before anything was compiled)."""
+    from torch._dynamo.utils import counters  # imported where used: dynamo loads with the optimizer anyway
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def set_transformer_fastpath(enabled: bool) -> bool:

@@ -13,7 +13,7 @@ the `ddp_amp.report` entry point.
 
 from ddp_amp.metrics.peaks import dense_peak_tflops, dense_peak_tflops_for
 from ddp_amp.metrics.run_log import QuietRunLog, RunLog, make_run_log, peak_memory_mb
-from ddp_amp.metrics.throughput import counting_flops, throughput_fields, utilization
+from ddp_amp.metrics.throughput import can_count_flops, counting_flops, throughput_fields, utilization
 
-__all__ = ["QuietRunLog", "RunLog", "counting_flops", "dense_peak_tflops", "dense_peak_tflops_for", "make_run_log",
-           "peak_memory_mb", "throughput_fields", "utilization"]
+__all__ = ["QuietRunLog", "RunLog", "can_count_flops", "counting_flops", "dense_peak_tflops", "dense_peak_tflops_for",
+           "make_run_log", "peak_memory_mb", "throughput_fields", "utilization"]

@@ -28,7 +28,7 @@ from ddp_amp.config import TrainConfig
 from ddp_amp.data import make_stream
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import PreemptionWatch, RunWatch, stop_for_preemption, worker_ignores
-from ddp_amp.metrics import RunLog, counting_flops, peak_memory_mb, throughput_fields
+from ddp_amp.metrics import RunLog, can_count_flops, counting_flops, peak_memory_mb, throughput_fields
 from ddp_amp.session import AgreedGradScaler, AutocastModule, Session
 from ddp_amp.tasks import Task
 from ddp_amp.trainer.batch_loss import BatchLoss
@@ -40,11 +40,13 @@ from ddp_amp.trainer.optimizers import make_optimizers
 from ddp_amp.trainer.profiling import ProfileWindow
 from ddp_amp.trainer.resume import TrainingParts, scale_learning_rates
 from ddp_amp.trainer.schedules import SchedulerDriver
+from ddp_amp.torch_api import compiled_graphs
 
 _NOTHING = nullcontext()  # reusable: nullcontext keeps no state
 # What log_record writes itself: a step_fn's extra scalars may not take these names.
 _RECORD_FIELDS = frozenset({"step", "epoch", "loss", "lr", "loss_scale", "skipped_total", "samples_per_s",
-                            "step_time", "peak_mem_mb", "tokens_per_s", "tflops", "mfu", "mem_mb"})
+                            "step_time", "peak_mem_mb", "tokens_per_s", "tflops", "mfu", "mem_mb",
+                            "compiled_graphs"})
 
 
 def _called_in_step(model: nn.Module, batch_loss: BatchLoss) -> nn.Module:
@@ -120,6 +122,10 @@ class Trainer:
         self.step = 0  # optimizer steps attempted; skipped fp16 steps count
         self.samples_seen = 0
         self.flops_per_step: int | None = None  # this rank's model FLOPs per step, once counted
+        self._flops_uncounted = can_count_flops(parallel.compile)  # counted on this process's first step
+        # --compile: dynamo's graphs so far, before this trainer's first step (None: not compiling)
+        self._graphs_before = compiled_graphs() if parallel.compile else None
+        self._steps_here = 0  # steps this process ran (a resumed run's first is 1)
         self.extras: dict[str, torch.Tensor] = {}  # a step_fn's other scalars, last step, on the device
         self.last_loss = torch.zeros((), device=self.device)
 
@@ -182,10 +188,13 @@ class Trainer:
             self.extras[name] = share
 
     def _profiled_step(self) -> torch.Tensor:
-        """`train_step` inside the profile window; the first one here counts its model FLOPs."""
+        """`train_step` inside the profile window; the first one here counts its model FLOPs
+        (its compiled code run eagerly: metrics/throughput.py), and by the second a run that
+        compiles has compiled something, or says it has not."""
         self.profile.before_step(self.step)
         try:
-            if self.flops_per_step is None:
+            if self._flops_uncounted:
+                self._flops_uncounted = False
                 loss, self.flops_per_step = counting_flops(self.train_step)
             else:
                 loss = self.train_step()
@@ -193,6 +202,10 @@ class Trainer:
             self.profile.dump_memory("out of memory")
             raise
         self.profile.after_step(self.step)
+        self._steps_here += 1
+        if self._steps_here == 2 and self._graphs_before is not None and compiled_graphs() == self._graphs_before:
+            self.run_log.warn("--compile: two steps ran and torch.compile made no graph, so the model runs eagerly; "
+                              "TORCH_LOGS=graph_breaks,recompiles says why")
         return loss
 
     # --- the loop ---------------------------------------------------------------------
@@ -292,6 +305,8 @@ class Trainer:
             "peak_mem_mb": peak_memory_mb(self.device),
             **throughput_fields(self.flops_per_step, step_time, samples_per_s, self.task.tokens_per_sample,
                                 self.device, precision.matmul_kind(), self.config.peak_tflops or None),
+            # --compile: dynamo's graphs so far in this process; growth after the first steps is recompiling.
+            **({"compiled_graphs": compiled_graphs()} if self._graphs_before is not None else {}),
             # A step_fn's own scalars, averaged over ranks (the same names on every rank).
             **{name: self._mean_across_ranks(value) for name, value in sorted(self.extras.items())},
         }
