@@ -81,11 +81,11 @@ def test_a_run_resumed_on_4_then_2_then_1_ranks_trains_on_the_straight_runs_samp
         tmp_path: Path, corpus: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "text.jsonl"
     data.write_bytes(corpus["text"].read_bytes())
-    # A constant LR: the legs' --max-steps differ, and a decay would follow each one's. Text
-    # only: every window has as many labels, so a micro-batch's mean loss is the same number
-    # however the global batch is split over ranks (masked conversations would not be).
-    common = _args(corpus, "--data", str(data), "--data", f"{corpus['eval']}:0.5", "--lr", "1e-3",
-                   "--task-opt", "lr_scheduler_type=constant")
+    # A constant LR: the legs' --max-steps differ, and a decay would follow each one's. Masked
+    # conversations among the text: their windows hold unequal numbers of targets, and the step's
+    # loss is still one token mean, however the global batch is split over ranks.
+    common = _args(corpus, "--data", str(data), "--data", f"{corpus['eval']}:0.5", "--data", f"{corpus['chat']}:0.5",
+                   "--lr", "1e-3", "--task-opt", "lr_scheduler_type=constant")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert train_main([*common, "--max-steps", "6", "--run-dir", str(straight)]) == 0
     for ranks, steps in ((4, 2), (2, 4)):

@@ -98,7 +98,7 @@ def _row(ctx: DistContext, shape: GPTShape, precision: Precision, compiled: bool
         trainer = trainer_on_batches(ctx, seeded_gpt(shape, device), next_token_loss, precision, batches,
                                      optimizer="adamw", compile=compile_option)
         if name == "trainer_loss_eager":  # the model compiled, the loss not: a measurement
-            trainer.batch_loss = BatchLoss(trainer.task, compile_loss=False)
+            trainer.micro.batch_loss = BatchLoss(trainer.task, compile_loss=False)
         memory.warm_up(name, trainer.train_step, held)
         names.append(name)
         contenders.append(trainer.train_step)

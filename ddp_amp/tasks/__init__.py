@@ -106,6 +106,12 @@ class Task:
     # Files `export --hf` writes beside the weights (a tokenizer's), copied into the run
     # directory when the run starts so the export finds them even if the originals go.
     hf_files: tuple[str, ...] = ()
+    # count_loss_items(batch) -> how many items (target tokens, say) a micro-batch holds: with
+    # it, the task's loss (step_fn's, loss_fn's or the model's) is a sum over those items, not a
+    # mean, and the Trainer divides each optimizer step's sums by the step's count over every
+    # micro-batch and rank, so the step's loss is the mean over its items on any split of the
+    # global batch (ddp_amp/trainer/micro_steps.py). None: the loss is a mean per micro-batch.
+    count_loss_items: Callable[[Any], Any] | None = None
 
 
 def parse_task_options(options: Mapping[str, str],
@@ -194,7 +200,7 @@ def _check_task(spec: str, task: object) -> Task:
     if task.eval_data is not None and len(task.eval_data) == 0:  # type: ignore[arg-type]  # torch's Dataset declares no __len__; a map-style one has it
         raise UsageError("--task", spec, "a non-empty Task.eval_data, or None",
                          "give the held-out set items, or leave eval_data and metric out")
-    for name in ("metric", "eval_fn", "make_optimizer", "make_scheduler", "finalize_metrics"):
+    for name in ("metric", "eval_fn", "make_optimizer", "make_scheduler", "finalize_metrics", "count_loss_items"):
         if getattr(task, name) is not None and not callable(getattr(task, name)):
             raise UsageError("--task", spec, f"Task.{name} to be callable or None, "
                              f"got {type(getattr(task, name)).__name__}", "pass a function, or leave it out")

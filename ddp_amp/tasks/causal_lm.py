@@ -23,8 +23,10 @@ assistant_only_loss, completion_only_loss, test_size (the fraction of documents 
 evaluation where no --eval-data is given), lr_scheduler_type (linear, cosine, constant),
 warmup_steps, warmup_ratio.
 
-The loss is the mean next-token cross-entropy over the tokens labels keep; evaluation reports
-`eval_loss` (per token) and `eval_ppl`.
+The loss of an optimizer step is the mean next-token cross-entropy over every token the labels
+keep in the step's windows, on every rank and micro-batch together (one sum over one count), so
+any split of the same global batch trains the same update; evaluation reports `eval_loss` (per
+token, over every held-out token) and `eval_ppl`.
 """
 
 from __future__ import annotations
@@ -163,10 +165,15 @@ def summed_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor
     return nll, (labels != IGNORE).sum()
 
 
-def token_mean_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """step_fn: the micro-batch's mean NLL per kept token (0 where it keeps none)."""
-    nll, kept = summed_nll(_logits(model, batch), batch["labels"])
-    return nll / kept.clamp(min=1)
+def token_nll_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """step_fn: the micro-batch's NLL summed over its kept tokens; the Trainer divides the
+    step's sums by the step's kept tokens over every micro-batch and rank (`target_tokens`)."""
+    return summed_nll(_logits(model, batch), batch["labels"])[0]
+
+
+def target_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """count_loss_items: the tokens whose next-token loss a batch keeps."""
+    return (batch["labels"] != IGNORE).sum()
 
 
 def eval_nll(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, int]]:
@@ -214,7 +221,8 @@ def make_task(config: TrainConfig) -> Task:
         build_model=build_model,
         train_data=data.train,
         eval_data=data.eval,
-        step_fn=token_mean_loss,
+        step_fn=token_nll_sum,
+        count_loss_items=target_tokens,
         eval_fn=eval_nll if data.eval is not None else None,
         finalize_metrics=perplexity if data.eval is not None else None,
         make_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(

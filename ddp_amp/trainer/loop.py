@@ -1,9 +1,10 @@
 """The training loop: a loop over the run core (`Session`), as a user's own loop would be.
 
-One optimizer step is `grad_accum` micro-steps. Every micro-step but the last runs forward
-*and* backward inside `no_sync()`, so DDP reduces gradients once per step; each micro-loss
-is divided by `grad_accum` so the accumulated gradient is the mean over the global batch.
-Then the session's AMP step (unscale, clip, agreed skip, update), and after it, in this
+One optimizer step is `grad_accum` micro-steps (micro_steps.py): every micro-step but the
+last runs forward *and* backward inside `no_sync()`, so DDP reduces gradients once per step,
+and each micro-loss is weighed so that the accumulated gradient is the step's over the
+global batch (a mean per micro-batch, or a sum over items the task counts, over the step's
+count). Then the session's AMP step (unscale, clip, agreed skip, update), and after it, in this
 order and for these reasons:
 1. the watchdogs (`RunWatch.after_update`) before `zero_grad`: forensics reads the skipped
    step's gradients;
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -29,35 +29,19 @@ from ddp_amp.data import make_stream
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import PreemptionWatch, RunWatch, stop_for_preemption, worker_ignores
 from ddp_amp.metrics import RunLog, can_count_flops, counting_flops, peak_memory_mb, throughput_fields
-from ddp_amp.session import AgreedGradScaler, AutocastModule, Session
+from ddp_amp.session import AgreedGradScaler, Session
 from ddp_amp.tasks import Task
 from ddp_amp.trainer.batch_loss import BatchLoss
 from ddp_amp.trainer.best import BestKeeper
 from ddp_amp.trainer.cadences import Cadence, Checkpointing, Evaluation, Logging, Preemption, StepClock
 from ddp_amp.trainer.checkpoints import RunCheckpoints
 from ddp_amp.trainer.evaluation import evaluate
+from ddp_amp.trainer.micro_steps import MicroSteps
 from ddp_amp.trainer.optimizers import make_optimizers
 from ddp_amp.trainer.profiling import ProfileWindow
 from ddp_amp.trainer.resume import TrainingParts, scale_learning_rates
 from ddp_amp.trainer.schedules import SchedulerDriver
 from ddp_amp.torch_api import compiled_graphs
-
-_NOTHING = nullcontext()  # reusable: nullcontext keeps no state
-# What log_record writes itself: a step_fn's extra scalars may not take these names.
-_RECORD_FIELDS = frozenset({"step", "epoch", "loss", "lr", "loss_scale", "skipped_total", "samples_per_s",
-                            "step_time", "peak_mem_mb", "tokens_per_s", "tflops", "mfu", "mem_mb",
-                            "compiled_graphs"})
-
-
-def _called_in_step(model: nn.Module, batch_loss: BatchLoss) -> nn.Module:
-    """The module the step calls inside its own autocast region: in one process (no DDP) the
-    wrapper's inner module, since the wrapper would only find its autocast already entered
-    (a module call and a state check saved, about 4 us a step on a CPU); the wrapper itself
-    where DDP runs around it, or where a task's step_fn gets the model (its code may call it
-    from other threads)."""
-    if isinstance(model, AutocastModule) and not model.cast_outputs_to_fp32 and not batch_loss.hands_model_to_task:
-        return model.unwrap()
-    return model
 
 
 def build_task_model(session: Session, config: TrainConfig, task: Task, overwritten: Collection[str] = ()) -> nn.Module:
@@ -90,11 +74,10 @@ class Trainer:
         named = [(n, p) for n, p in session.unwrap(self.model).named_parameters() if p.requires_grad]
         self.watch = RunWatch(config.watch_options(), named, session.scaler, run_log, ctx.rank, session.precision,
                               distributed=ctx.has_group)
-        self._precision = session.precision  # the step enters its autocast: read once here
         # --compile compiles a loss_fn on its own as well: a cross-entropy over a large
         # vocabulary then runs as fused kernels instead of materialising fp32 log-probabilities.
-        self.batch_loss = BatchLoss(task, compile_loss=parallel.compile)
-        self._step_model = _called_in_step(self.model, self.batch_loss)
+        self.micro = MicroSteps(session, self.model, BatchLoss(task, compile_loss=parallel.compile),
+                                config.grad_accum, task.count_loss_items)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # A task may make several optimizers (a GAN's two); they step together or not at all,
         # on one agreed skip decision. The first one's LR is logged and scheduled.
@@ -126,7 +109,6 @@ class Trainer:
         # --compile: dynamo's graphs so far, before this trainer's first step (None: not compiling)
         self._graphs_before = compiled_graphs() if parallel.compile else None
         self._steps_here = 0  # steps this process ran (a resumed run's first is 1)
-        self.extras: dict[str, torch.Tensor] = {}  # a step_fn's other scalars, last step, on the device
         self.last_loss = torch.zeros((), device=self.device)
 
     # --- one step ---------------------------------------------------------------------
@@ -138,7 +120,7 @@ class Trainer:
         counters and losses stay there until a log, check or checkpoint step reads them.
         """
         session = self.session
-        step_loss = self._micro_step(accum=1) if self.config.grad_accum == 1 else self._accumulated()
+        step_loss = self.micro.run(self.stream)
         if self.schedule is not None:  # a planned per-step LR goes in place after an exact state
             self.schedule.before_step()
         session.step(*self.optimizers, clip_grad_norm=self.clip_grad_norm, skip_together=True)
@@ -151,41 +133,6 @@ class Trainer:
         self.session.set_step(self.step)  # for the heartbeat, which the failure watch's thread writes
         self.samples_seen += self.config.batch_size
         return step_loss if step_loss.dtype == torch.float32 else step_loss.float()
-
-    def _micro_step(self, accum: int, first: bool = True) -> torch.Tensor:
-        """Forward, loss and the scaled backward of one micro-batch; its detached loss."""
-        # Forward and loss in one autocast region, as in the recipe; the wrapper inside DDP
-        # sees it is already in effect and does not enter it again.
-        with self._precision.autocast():
-            loss, extras = self.batch_loss(self._step_model, next(self.stream))
-        if accum > 1:
-            loss = loss / accum
-        self.session.backward(loss)
-        if extras:
-            self._add_extras(extras, first=first, accum=accum)
-        return loss.detach()
-
-    def _accumulated(self) -> torch.Tensor:
-        """`grad_accum` micro-steps, all but the last inside `no_sync()` (DDP reduces once)."""
-        accum = self.config.grad_accum
-        total: torch.Tensor | None = None
-        for micro in range(accum):
-            with self.session.no_sync(self.model) if micro < accum - 1 else _NOTHING:
-                loss = self._micro_step(accum, first=micro == 0)
-            total = loss if total is None else total + loss
-        return total  # type: ignore[return-value]  # grad_accum > 1 here: the loop ran, total is set
-
-    def _add_extras(self, extras: dict[str, torch.Tensor], first: bool, accum: int) -> None:
-        """Keep a step_fn's scalars as the step's mean over its micro-batches (device ops only)."""
-        for name, value in extras.items():
-            share = value.float() / accum if accum > 1 else value.float()
-            if name in self.extras and not first:
-                self.extras[name] = self.extras[name] + share
-                continue
-            if name not in self.extras and name in _RECORD_FIELDS:
-                raise UsageError("Task.step_fn's scalar", name, "a name the log does not use already",
-                                 "rename it, e.g. 'train_" + name + "'")
-            self.extras[name] = share
 
     def _profiled_step(self) -> torch.Tensor:
         """`train_step` inside the profile window; the first one here counts its model FLOPs
@@ -308,7 +255,7 @@ class Trainer:
             # --compile: dynamo's graphs so far in this process; growth after the first steps is recompiling.
             **({"compiled_graphs": compiled_graphs()} if self._graphs_before is not None else {}),
             # A step_fn's own scalars, averaged over ranks (the same names on every rank).
-            **{name: self._mean_across_ranks(value) for name, value in sorted(self.extras.items())},
+            **{name: self._mean_across_ranks(value) for name, value in sorted(self.micro.extras.items())},
         }
 
     def evaluate(self, data: Any = None, prefix: str = "eval_") -> dict[str, float]:
