@@ -239,3 +239,56 @@ def test_export_hf_of_a_run_without_a_transformers_config_is_refused_in_one_line
     assert export_main([str(run_dir), "--to", str(tmp_path / "hf"), "--hf", "--hf-config", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {"model_type": "none"}
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_a_pytorch_pickle_is_named_as_one_not_as_a_damaged_file(tmp_path: Path) -> None:
+    state = Small().state_dict()
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    for source in (tmp_path / "pytorch_model.bin", tmp_path):  # the file named, and its directory
+        with pytest.raises(UsageError) as refused:
+            read_headers(source)
+        message = str(refused.value)
+        assert "\n" not in message and "PyTorch pickle" in message and "safe_serialization=True" in message, message
+        assert "download it again" not in message
+
+
+def _resident_kib(field: str) -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith(field + ":")))
+
+
+LAYERS = 16  # of 4 MiB each
+
+
+def _load_peak(ctx: object, source: Path) -> dict[str, float]:
+    """Collective: a sharded stack of Linears built, set up, then loaded from `source`; how far
+    this rank's resident set rose during the load, over the bytes its shards hold."""
+    from ddp_amp import Session
+    from ddp_amp.parallel import ShardOptions
+
+    with Session("fp32", "cpu", "gloo", shard=ShardOptions()) as session:
+        model = session.setup(session.build_model(
+            lambda: nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(LAYERS)))))
+        shard_bytes = sum(p.to_local().numel() * 4 for p in Session.unwrap(model).parameters())
+        Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from now
+        before = _resident_kib("VmRSS")
+        loaded = session.load_weights(model, source)
+        risen = (_resident_kib("VmHWM") - before) * 1024
+    return {"rise_over_shard": risen / shard_bytes, "read_over_shard": loaded.bytes_read / shard_bytes}
+
+
+@needs_sharding
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads the peak resident set from /proc (Linux)")
+def test_a_rank_loading_its_shards_keeps_no_more_than_one_tensors_slice_beside_them(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from tests.multiproc import run_ranks
+
+    source = tmp_path / "model.safetensors"
+    save_file({f"{layer}.weight": torch.randn(1024, 1024) for layer in range(LAYERS)}, str(source))
+    for rank, peak in enumerate(run_ranks(_load_peak, 2, source, timeout=300)):
+        # Each tensor's rows read into a buffer of its own, copied into the shard setup made, and
+        # let go: the peak rises by about one slice (1/16 of the shards). Pages of a file mapped
+        # (safetensors' own reader) stay in the resident set until it closes: the shards again.
+        assert peak["read_over_shard"] == 1.0, (rank, peak)
+        assert peak["rise_over_shard"] < 0.3, (rank, peak)

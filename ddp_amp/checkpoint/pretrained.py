@@ -4,9 +4,10 @@ A source is a `.safetensors` file, or a directory with `model.safetensors.index.
 Hugging Face checkpoint split in several files: the index maps each name to its file) or one
 `model.safetensors`. Names are the user's module's state-dict names, as `save_pretrained`
 writes them. A sharded parameter (a DTensor, `Shard(0)` on the mesh's sharding dimension,
-replicated across HSDP's replicas) is filled from the rows this rank holds: safetensors
-reads a slice of a tensor without reading the rest, so a rank of N reads about 1/N of the
-weights. A plain parameter reads its whole tensor.
+replicated across HSDP's replicas) is filled from the rows this rank holds, read from the
+file without reading the rest, so a rank of N reads about 1/N of the weights. A plain
+parameter reads its whole tensor. The files are read, not mapped (`safetensors_file`): a
+rank's resident set holds what it loads, not the file's pages as well.
 
 Strict by default: a name of the model that no file has (missing), a name in the files the
 model lacks (unexpected) or a shape that differs is a one-line UsageError naming the first
@@ -23,21 +24,24 @@ builds anything and learns which parameters need no init of their own.
 from __future__ import annotations
 
 import json
+import os
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
+from ddp_amp.checkpoint.safetensors_file import NotSafetensors, StoredTensor, read_header, read_slice
 from ddp_amp.errors import UsageError
 from ddp_amp.torch_api import DTensor, compute_local_shape_and_global_offset
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 FLAG = "--init-weights"
-INSTALL_HINT = "pip install safetensors (or 'ddp_amp[export]')"
+CONVERT_HINT = ("--init-weights reads safetensors only: save it again with "
+                "model.save_pretrained(DIR, safe_serialization=True), or safetensors.torch.save_file(state_dict, F)")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class WeightHeaders:
 
     files: dict[str, Path]
     shapes: dict[str, tuple[int, ...]]
+    stored: dict[str, StoredTensor]  # where each lies in its file
 
 
 def read_headers(source: str | Path) -> WeightHeaders:
@@ -65,6 +70,9 @@ def read_headers(source: str | Path) -> WeightHeaders:
                                  f"it does not parse as one ({error}); write it with save_pretrained") from None
         elif (path / SINGLE).is_file():
             path = path / SINGLE
+        elif any((path / name).is_file() for name in PICKLED):
+            raise UsageError(FLAG, str(source), f"a directory with {INDEX} or {SINGLE}",
+                             f"it holds PyTorch pickles ({PICKLED[0]}); " + CONVERT_HINT)
         else:
             raise UsageError(FLAG, str(source), f"a .safetensors file, or a directory with {INDEX} or {SINGLE}",
                              "point it at the directory save_pretrained wrote, or at one .safetensors file")
@@ -72,38 +80,32 @@ def read_headers(source: str | Path) -> WeightHeaders:
         raise UsageError(FLAG, str(source), "an existing .safetensors file or directory",
                          "check the path (a Hugging Face model directory, or a .safetensors file)")
     if index is None:
-        shapes = _header(path)
-        return WeightHeaders({name: path for name in shapes}, shapes)
+        stored = _header(path)
+        return WeightHeaders({name: path for name in stored}, {name: t.shape for name, t in stored.items()}, stored)
     headers = {file: _header(file) for file in sorted(set(index.values()))}
     for name, file in index.items():
         if name not in headers[file]:
             raise UsageError(FLAG, f"{name} in {file}", f"every tensor {INDEX} maps to a file in that file",
                              "the file and the index come from different saves; copy the model directory again")
-    return WeightHeaders(index, {name: headers[file][name] for name, file in index.items()})
+    return WeightHeaders(index, {name: headers[file][name].shape for name, file in index.items()},
+                         {name: headers[file][name] for name, file in index.items()})
 
 
-def _header(file: Path) -> dict[str, tuple[int, ...]]:
-    """The shape of each tensor of one .safetensors file, from its header (safetensors checks
-    there that the file holds every byte the header promises)."""
+def _header(file: Path) -> dict[str, StoredTensor]:
+    """Where each tensor of one .safetensors file lies, from its header, checked against the
+    file's size (a truncated file is refused here)."""
     if not file.is_file():
         raise UsageError(FLAG, str(file), "an existing .safetensors file (the index names it)",
                          "copy or download the whole model directory, every file the index lists")
-    safe_open = _safe_open()
     try:
-        with safe_open(str(file), framework="pt") as opened:
-            return {name: tuple(opened.get_slice(name).get_shape()) for name in opened.keys()}  # noqa: SIM118  # a safetensors handle, not a dict
-    except Exception as error:  # noqa: BLE001  # safetensors raises its own error types for a bad file
-        reason = str(error).splitlines()[0] if str(error) else ""
+        return read_header(file)
+    except NotSafetensors as error:
+        pickled = str(error).startswith("it is a PyTorch pickle")
         raise UsageError(FLAG, str(file), "a complete, readable .safetensors file",
-                         f"{type(error).__name__}: {reason}; copy or download it again") from None
-
-
-def _safe_open() -> Any:
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        raise UsageError(FLAG, "safetensors", "the safetensors package installed", INSTALL_HINT) from None
-    return safe_open
+                         f"{error}; " + (CONVERT_HINT if pickled else "copy or download it again")) from None
+    except OSError as error:
+        raise UsageError(FLAG, str(file), "a readable .safetensors file",
+                         f"{type(error).__name__}: {error.strerror}; check its permissions") from None
 
 
 @dataclass(frozen=True)
@@ -166,11 +168,12 @@ def load_pretrained(model: nn.Module, source: str | Path, strict: bool = True) -
     tensors = {name: tensor for names, tensor in _tensor_groups(model) for name in names[:1]}
     read = 0
     with ExitStack() as stack, torch.no_grad():
-        safe_open = _safe_open()
-        opened = {path: stack.enter_context(safe_open(str(path), framework="pt"))
-                  for path in {headers.files[name] for name in matched.chosen}}
+        opened = {}
+        for path in sorted({headers.files[name] for name in matched.chosen}):
+            opened[path] = os.open(path, os.O_RDONLY)
+            stack.callback(os.close, opened[path])
         for file_name, model_name in matched.chosen.items():
-            read += _fill(tensors[model_name], opened[headers.files[file_name]], file_name)
+            read += _fill(tensors[model_name], opened[headers.files[file_name]], headers.stored[file_name])
     return LoadedWeights(len(matched.chosen), read, matched.missing, matched.unexpected)
 
 
@@ -183,19 +186,18 @@ def _tensor_groups(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
     return list(by_identity.values())
 
 
-def _fill(tensor: torch.Tensor, opened: Any, file_name: str) -> int:
-    """Copy this rank's part of `file_name` (in the open safetensors file) into `tensor`; the bytes read."""
-    stored = opened.get_slice(file_name)
+def _fill(tensor: torch.Tensor, fd: int, stored: StoredTensor) -> int:
+    """Copy this rank's part of `stored` (in the open file `fd`) into `tensor`; the bytes read."""
     if isinstance(tensor, DTensor):
         local = tensor.to_local()
         local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
                                                                     tensor.placements)
         if local.numel() == 0:
             return 0
-        part = stored[tuple(slice(start, start + size) for start, size in zip(offset, local_shape))]
+        part = read_slice(fd, stored, tuple(slice(start, start + size) for start, size in zip(offset, local_shape)))
         local.copy_(part)
         return part.numel() * part.element_size()
-    whole = opened.get_tensor(file_name)
+    whole = read_slice(fd, stored)
     tensor.copy_(whole)
     return whole.numel() * whole.element_size()
 
