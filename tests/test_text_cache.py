@@ -69,6 +69,32 @@ def test_a_later_run_reuses_the_entry_and_any_change_makes_another(tmp_path: Pat
         (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
 
 
+@pytest.mark.parametrize("setting", [{"truncation": True, "max_length": 16}, {"padding": "longest"}])
+def test_a_truncation_or_padding_saved_with_the_tokenizer_changes_no_token(tmp_path: Path, model_dir: Path,
+                                                                          setting: dict[str, Any]) -> None:
+    from transformers import AutoTokenizer
+
+    # A tokenizer called with truncation=True or padding= and then saved keeps that setting in
+    # its tokenizer.json; encoding must still give what tokenizer(text) gives.
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer(["a first document", "and a second, longer one"], **setting)
+    saved = tmp_path / "saved"
+    tokenizer.save_pretrained(saved)
+    backend = AutoTokenizer.from_pretrained(saved).backend_tokenizer
+    assert (backend.truncation, backend.padding) != (None, None)  # the setting came back with the files
+    spec = _corpus(tmp_path / "data")
+    entry = build(spec, saved, tmp_path / "cache").folder
+    plain = build(spec, model_dir, tmp_path / "cache").folder
+    for name in ("train.tokens", "train.offsets", "train.rows"):
+        assert (entry / name).read_bytes() == (plain / name).read_bytes(), name
+    # An entry that an encoder which kept the setting made (cut or padded) is not this one's.
+    assert json.loads((entry / "meta.json").read_text())["made_from"]["switched_off"] == list(setting)[:1]
+    with_eos = AutoTokenizer.from_pretrained(model_dir)
+    first = TokenSplit(entry, "train")
+    assert first.token_slice(0, int(first.offsets[1])).tolist() == \
+        with_eos(corpus_documents(60)[0])["input_ids"] + [with_eos.eos_token_id]
+
+
 _BUILDER = textwrap.dedent("""
     import sys
     from pathlib import Path

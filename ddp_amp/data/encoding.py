@@ -17,6 +17,8 @@ reads):
   Both lists of messages: rendered as a conversation whose completion is the assistant part.
 
 The mask is per token: 1 where the token is a target the loss covers. Text rows have none.
+Tokens are those `tokenizer(text)` gives: a truncation or padding saved in the tokenizer's
+files is switched off first, as transformers does on every call that does not ask for it.
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ class Encoder:
     def __init__(self, tokenizer: Any, fmt: TextFormat) -> None:
         self.tokenizer, self.fmt = tokenizer, fmt
         self.backend = tokenizer.backend_tokenizer  # the Rust tokenizer: batched, offsets, no Python per token
+        # A tokenizer saved after a call with truncation=True or padding= keeps that setting in
+        # its backend, which would cut or pad every document here; `tokenizer(text)` switches
+        # both off unless asked (transformers sets them per call), and so does this.
+        if self.backend.truncation is not None:
+            self.backend.no_truncation()
+        if self.backend.padding is not None:
+            self.backend.no_padding()
         self.eos = tokenizer.eos_token_id
 
     def check(self, kind: str, source: str) -> None:

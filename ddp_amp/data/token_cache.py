@@ -61,11 +61,23 @@ def _digest(paths: list[Path]) -> str:
     return digest.hexdigest()
 
 
+def _saved_settings(tokenizer_dir: Path) -> list[str]:
+    """The per-call settings (truncation, padding) saved in the tokenizer's tokenizer.json."""
+    try:
+        saved = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [name for name in ("truncation", "padding") if isinstance(saved, dict) and saved.get(name)]
+
+
 def cache_key(source: Source, tokenizer_dir: Path, fmt: TextFormat, test_size: float,
               vocabulary: int) -> tuple[str, dict[str, Any]]:
     """(the entry's name, what made it)."""
     made_from = {"format": FORMAT, "files": source.identity(), "tokenizer": _digest(tokenizer_files(tokenizer_dir)),
                  "rows": fmt.key(), "test_size": test_size, "dtype": token_dtype(vocabulary).name}
+    switched_off = _saved_settings(tokenizer_dir)
+    if switched_off:  # entries made before the encoder switched them off were cut or padded: not these
+        made_from["switched_off"] = switched_off
     name = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:24]
     return name, made_from
 
