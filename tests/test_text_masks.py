@@ -89,6 +89,22 @@ def test_the_loss_covers_every_token_when_asked(model_dir: Path) -> None:
         assert ids == theirs["input_ids"] and mask == _trl_mask(theirs) == [1] * len(ids)
 
 
+@pytest.mark.parametrize("completion_only_loss,assistant_only_loss",
+                         [(True, True), (True, False), (False, True), (False, False)])
+def test_conversational_completions_follow_both_options_as_trl(model_dir: Path, completion_only_loss: bool,
+                                                                assistant_only_loss: bool) -> None:
+    # A prompt of several turns (a system turn, an earlier assistant turn), then its completion.
+    rows = [{"prompt": row["messages"][:-1], "completion": row["messages"][-1:]} for row in conversations(12)]
+    options = {"completion_only_loss": completion_only_loss, "assistant_only_loss": assistant_only_loss}
+    trl = _trl_rows(model_dir, rows, **options)
+    ours = _ours(model_dir, rows, "prompt_completion", **options)
+    for (ids, mask), theirs in zip(ours, trl):
+        assert ids == theirs["input_ids"] and mask == _trl_mask(theirs)
+    targets = sum(sum(mask) for _, mask in ours)
+    everything = sum(len(ids) for ids, _ in ours)
+    assert (targets == everything) == (not completion_only_loss and not assistant_only_loss)
+
+
 def test_packed_windows_keep_the_masks(tmp_path: Path, model_dir: Path) -> None:
     from transformers import AutoTokenizer
 

@@ -14,7 +14,10 @@ reads):
 - `prompt` and `completion`, both text: their concatenation, tokenized as a document; with
   `completion_only_loss` the loss covers the tokens that hold completion characters and the
   EOS (TRL's completion mask: a token the prompt and completion share counts as completion).
-  Both lists of messages: rendered as a conversation whose completion is the assistant part.
+  Both lists of messages: rendered as one conversation. As in TRL, both options apply, each
+  where it is on: `completion_only_loss` keeps what the completion adds to the prompt
+  rendered with the generation prompt, `assistant_only_loss` keeps the assistant turns (of
+  the prompt too), and a token is a target where every option that is on keeps it.
 
 The mask is per token: 1 where the token is a target the loss covers. Text rows have none.
 Tokens are those `tokenizer(text)` gives: a truncation or padding saved in the tokenizer's
@@ -46,7 +49,12 @@ class TextFormat:
     completion_only_loss: bool = True
 
     def key(self) -> dict[str, Any]:
-        return asdict(self)
+        made = asdict(self)
+        if not (self.assistant_only_loss and self.completion_only_loss):
+            # Conversational prompt/completion rows once read only one of the two options: an
+            # entry made then is not one made now.
+            made["masks"] = 2
+        return made
 
 
 def row_kind(row: dict[str, Any], fmt: TextFormat, where: Callable[[], str]) -> str:
@@ -120,12 +128,12 @@ class Encoder:
             if not (isinstance(prompt, list) and isinstance(completion, list)):
                 raise UsageError("--data", where(), "'prompt' and 'completion' both text or both lists of messages",
                                  f"got {type(prompt).__name__} and {type(completion).__name__}")
-            return self._conversation(prompt + completion, row.get("tools"), where, first_target=len(prompt))
+            return self._conversation(prompt + completion, row.get("tools"), where, prompt_turns=len(prompt))
         messages = row.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise UsageError("--data", where(), "'messages' as a list of {role, content} objects",
                              f"got {type(messages).__name__}")
-        return self._conversation(messages, row.get("tools"), where, first_target=0)
+        return self._conversation(messages, row.get("tools"), where, prompt_turns=None)
 
     def _completion(self, prompt: str, completion: str) -> Encoded:
         encoding = self.backend.encode(prompt + completion, add_special_tokens=True)
@@ -141,11 +149,22 @@ class Encoder:
                                                       add_generation_prompt=generation_prompt))
 
     def _conversation(self, messages: list[dict[str, Any]], tools: Any, where: Callable[[], str],
-                      first_target: int) -> Encoded:
+                      prompt_turns: int | None) -> Encoded:
+        """A conversation's (ids, mask); `prompt_turns`: how many of `messages` are a
+        conversational prompt (the rest its completion), None for a `messages` row."""
+        completion_only = prompt_turns is not None and self.fmt.completion_only_loss
         try:
             text = self._render(messages, tools, False)
-            spans = self._assistant_spans(messages, tools, text, where, first_target) \
-                if self.fmt.assistant_only_loss else []
+            spans = []  # each option that is on: the character spans it keeps
+            if self.fmt.assistant_only_loss:
+                spans.append(self._assistant_spans(messages, tools, text, where))
+            if completion_only:
+                prompt = self._render(messages[:prompt_turns], tools, True)
+                if not text.startswith(prompt):
+                    raise UsageError("--data", where(), "a chat template that renders the prompt the same with "
+                                     "its completion after it (so the completion's tokens can be found)",
+                                     "set --task-opt completion_only_loss=false to train on the prompt too")
+                spans.append([(len(prompt), len(text))])
         except UsageError:
             raise
         except Exception as error:  # noqa: BLE001 - a template's own error (jinja raise_exception), in one line
@@ -153,19 +172,20 @@ class Encoder:
                              f"{type(error).__name__}: {error}") from None
         encoding = self.backend.encode(text, add_special_tokens=False)
         ids = list(encoding.ids)
-        if not self.fmt.assistant_only_loss:
-            return ids, [1] * len(ids)
         starts = np.array([start for start, _ in encoding.offsets])
         ends = np.array([end for _, end in encoding.offsets])
-        mask = np.zeros(len(ids), dtype=np.uint8)
-        for low, high in spans:  # a token is a target where its characters overlap the span
-            mask |= (ends > low) & (starts < high)
-        return ids, mask.tolist()
+        mask = np.ones(len(ids), dtype=bool)
+        for kept in spans:  # a token is a target where its characters overlap a kept span, for every option
+            covered = np.zeros(len(ids), dtype=bool)
+            for low, high in kept:
+                covered |= (ends > low) & (starts < high)
+            mask &= covered
+        return ids, mask.astype(np.uint8).tolist()
 
-    def _assistant_spans(self, messages: list[dict[str, Any]], tools: Any, text: str, where: Callable[[], str],
-                         first_target: int) -> list[tuple[int, int]]:
+    def _assistant_spans(self, messages: list[dict[str, Any]], tools: Any, text: str,
+                         where: Callable[[], str]) -> list[tuple[int, int]]:
         spans = []
-        for index in range(first_target, len(messages)):
+        for index in range(len(messages)):
             if messages[index].get("role") != "assistant":
                 continue
             before = self._render(messages[:index], tools, True)
