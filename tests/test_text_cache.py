@@ -132,6 +132,15 @@ def test_an_unusable_cache_folder_is_one_line(tmp_path: Path, model_dir: Path) -
         build(_corpus(tmp_path / "data"), model_dir, tmp_path / "file" / "cache")
 
 
+def test_a_bad_row_of_an_eval_source_names_eval_data(tmp_path: Path, model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    held = write_jsonl(tmp_path / "held.jsonl", [{"text": "fine"}, {"txt": "no text field"}])
+    with pytest.raises(UsageError, match=r"^--eval-data=.*held\.jsonl, line 2'?: expected rows with a 'text' field"):
+        open_or_build(resolve_source(str(held), "--eval-data"), AutoTokenizer.from_pretrained(model_dir), model_dir,
+                      TextFormat(), 0.0, tmp_path / "cache")
+
+
 def _build_on_ranks(ctx: object, spec: str, model_dir: Path, root: Path) -> dict[str, bytes] | str:
     try:
         return _files(build(spec, model_dir, root).folder)

@@ -57,25 +57,27 @@ class TextFormat:
         return made
 
 
-def row_kind(row: dict[str, Any], fmt: TextFormat, where: Callable[[], str]) -> str:
+def row_kind(row: dict[str, Any], fmt: TextFormat, where: Callable[[], str], flag: str = "--data") -> str:
     """The kind of `row`, or a one-line error naming the fields it has (and where the row is:
-    `where()`, only then, as finding a line number reads the file up to it)."""
+    `where()`, only then, as finding a line number reads the file up to it; `flag`: the option
+    that named the source)."""
     if "messages" in row:
         return "messages"
     if "prompt" in row and "completion" in row:
         return "prompt_completion"
     if fmt.dataset_text_field in row:
         return "text"
-    raise UsageError("--data", where(), f"rows with a {fmt.dataset_text_field!r} field, 'messages', or 'prompt' and "
+    raise UsageError(flag, where(), f"rows with a {fmt.dataset_text_field!r} field, 'messages', or 'prompt' and "
                      f"'completion' (this row has {', '.join(sorted(row)) or 'no fields'})",
                      "name the text field with --task-opt dataset_text_field=FIELD")
 
 
 class Encoder:
-    """Encodes a source's rows with `tokenizer` (a transformers fast tokenizer)."""
+    """Encodes a source's rows with `tokenizer` (a transformers fast tokenizer); `flag` is the
+    option that named the source, for errors about its rows."""
 
-    def __init__(self, tokenizer: Any, fmt: TextFormat) -> None:
-        self.tokenizer, self.fmt = tokenizer, fmt
+    def __init__(self, tokenizer: Any, fmt: TextFormat, flag: str = "--data") -> None:
+        self.tokenizer, self.fmt, self.flag = tokenizer, fmt, flag
         self.backend = tokenizer.backend_tokenizer  # the Rust tokenizer: batched, offsets, no Python per token
         # A tokenizer saved after a call with truncation=True or padding= keeps that setting in
         # its backend, which would cut or pad every document here; `tokenizer(text)` switches
@@ -92,7 +94,7 @@ class Encoder:
             raise UsageError("--task-opt model", source, "a tokenizer with an eos_token (it separates documents)",
                              "set eos_token in the model directory's tokenizer_config.json")
         if kind == "messages" and not getattr(self.tokenizer, "chat_template", None):
-            raise UsageError("--data", source, "a tokenizer with a chat template, for rows of 'messages'",
+            raise UsageError(self.flag, source, "a tokenizer with a chat template, for rows of 'messages'",
                              "add chat_template.jinja (or chat_template in tokenizer_config.json) to the model "
                              "directory, or give rows with a text field")
 
@@ -108,7 +110,7 @@ class Encoder:
         for i, row in enumerate(rows):
             text = row.get(field)
             if not isinstance(text, str):
-                raise UsageError("--data", where(i), f"a text in field {field!r}",
+                raise UsageError(self.flag, where(i), f"a text in field {field!r}",
                                  f"got {type(text).__name__}; name the text field with --task-opt dataset_text_field")
             texts.append(text)
         encodings = self.backend.encode_batch(texts, add_special_tokens=True)
@@ -126,12 +128,12 @@ class Encoder:
             return self._completion(prompt, completion)
         if kind == "prompt_completion":
             if not (isinstance(prompt, list) and isinstance(completion, list)):
-                raise UsageError("--data", where(), "'prompt' and 'completion' both text or both lists of messages",
+                raise UsageError(self.flag, where(), "'prompt' and 'completion' both text or both lists of messages",
                                  f"got {type(prompt).__name__} and {type(completion).__name__}")
             return self._conversation(prompt + completion, row.get("tools"), where, prompt_turns=len(prompt))
         messages = row.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise UsageError("--data", where(), "'messages' as a list of {role, content} objects",
+            raise UsageError(self.flag, where(), "'messages' as a list of {role, content} objects",
                              f"got {type(messages).__name__}")
         return self._conversation(messages, row.get("tools"), where, prompt_turns=None)
 
@@ -161,14 +163,14 @@ class Encoder:
             if completion_only:
                 prompt = self._render(messages[:prompt_turns], tools, True)
                 if not text.startswith(prompt):
-                    raise UsageError("--data", where(), "a chat template that renders the prompt the same with "
+                    raise UsageError(self.flag, where(), "a chat template that renders the prompt the same with "
                                      "its completion after it (so the completion's tokens can be found)",
                                      "set --task-opt completion_only_loss=false to train on the prompt too")
                 spans.append([(len(prompt), len(text))])
         except UsageError:
             raise
         except Exception as error:  # noqa: BLE001 - a template's own error (jinja raise_exception), in one line
-            raise UsageError("--data", where(), "a conversation the chat template renders",
+            raise UsageError(self.flag, where(), "a conversation the chat template renders",
                              f"{type(error).__name__}: {error}") from None
         encoding = self.backend.encode(text, add_special_tokens=False)
         ids = list(encoding.ids)
@@ -191,11 +193,11 @@ class Encoder:
             before = self._render(messages[:index], tools, True)
             through = self._render(messages[:index + 1], tools, False)
             if not (through.startswith(before) and text.startswith(through)):
-                raise UsageError("--data", where(), "a chat template that renders a conversation's turns "
+                raise UsageError(self.flag, where(), "a chat template that renders a conversation's turns "
                                  "the same whatever follows them (so each assistant turn's tokens can be found)",
                                  "set --task-opt assistant_only_loss=false to train on every token")
             spans.append((len(before), len(through)))
         if not spans:
-            raise UsageError("--data", where(), "a conversation with an assistant turn to train on",
+            raise UsageError(self.flag, where(), "a conversation with an assistant turn to train on",
                              "drop the row, or set --task-opt assistant_only_loss=false")
         return spans

@@ -55,8 +55,9 @@ def _say(line: str) -> None:
         print(f"[ddp_amp] data: {line}", file=sys.stderr, flush=True)
 
 
-def check_vocabulary(split: TokenSplit, vocab_size: int, model: str) -> None:
-    """A one-line error naming the file and row of the first token id >= `vocab_size`."""
+def check_vocabulary(split: TokenSplit, vocab_size: int, model: str, flag: str = "--data") -> None:
+    """A one-line error naming the file and row of the first token id >= `vocab_size` (of a
+    source that `flag` named)."""
     if split.max_id < vocab_size:
         return
     found = split.first_token_at_least(vocab_size)
@@ -65,7 +66,7 @@ def check_vocabulary(split: TokenSplit, vocab_size: int, model: str) -> None:
     position, token = found
     document = int(split.document_starts(0, position + 1).size) - 1
     unit_index, locator = split.row_of(document)
-    raise UsageError("--data", where(Unit.from_list(split.meta["units"][unit_index]), locator),
+    raise UsageError(flag, where(Unit.from_list(split.meta["units"][unit_index]), locator),
                      f"token ids below the model's vocab_size {vocab_size}",
                      f"its tokens include id {token}: the tokenizer has more ids than {model}'s embedding; use the "
                      "model's own tokenizer, or resize its embeddings")
@@ -104,7 +105,7 @@ def text_datasets(train_specs: tuple[str, ...], eval_specs: tuple[str, ...], tok
         keys.append([train.folder.name, source.weight])
         for split in (train, held):
             if split is not None:
-                check_vocabulary(split, vocab_size, model)
+                check_vocabulary(split, vocab_size, model, source.flag)
         windows, note = _windows(train, options)
         _say(f"{spec}: {train.documents:,} documents, {train.tokens:,} tokens -> {len(windows):,} windows of "  # type: ignore[arg-type]  # map-style
              f"{options.seq + 1} tokens{note}")
@@ -116,7 +117,7 @@ def text_datasets(train_specs: tuple[str, ...], eval_specs: tuple[str, ...], tok
             eval_parts.append(_windows(held, options)[0])
     for source in eval_sources:
         split, _ = open_or_build(source, tokenizer, tokenizer_dir, fmt, 0.0, cache_root)
-        check_vocabulary(split, vocab_size, model)
+        check_vocabulary(split, vocab_size, model, source.flag)
         keys.append(["eval", split.folder.name])
         eval_parts.append(_windows(split, options)[0])
     train_data: Dataset = train_parts[0][0] if len(train_parts) == 1 and train_parts[0][1] == 1 else \

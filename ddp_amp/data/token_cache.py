@@ -202,7 +202,8 @@ def _build(source: Source, units: list[Unit], final: Path, made_from: dict[str, 
                               token_dtype(vocabulary), staging, progress.counted)
             if rank == 0:
                 _wait(lambda: all(unit_done(staging, i) for i in range(len(units))), staging, final)
-                meta = join_units(staging, units, made_from, token_dtype(vocabulary), source.spec, test_size)
+                meta = join_units(staging, units, made_from, token_dtype(vocabulary), source.spec, test_size,
+                                  source.flag)
                 try:
                     staging.rename(final)
                     (final / LOCK).unlink()  # still held until below: only a staging folder needs one
@@ -230,10 +231,10 @@ def open_or_build(source: Source, tokenizer: Any, tokenizer_dir: Path, fmt: Text
     final = root / key
     seen = all_gather_objects((key, complete(final)))
     if len({k for k, _ in seen}) > 1:
-        raise UsageError("--data", source.spec, "the same files (and sizes, mtimes) on every rank",
+        raise UsageError(source.flag, source.spec, "the same files (and sizes, mtimes) on every rank",
                          "ranks see different inputs or tokenizers: put them on a file system every rank shares")
     if not all(done for _, done in seen):
         units = on_every_rank(lambda: [unit for file in source.files for unit in units_of(file, fmt.sample_by)])
-        _build(source, units, final, made_from, Encoder(tokenizer, fmt), fmt, test_size, vocabulary)
+        _build(source, units, final, made_from, Encoder(tokenizer, fmt, source.flag), fmt, test_size, vocabulary)
     train = TokenSplit(final, "train")
     return train, TokenSplit(final, "eval") if "eval" in train.meta["splits"] else None
