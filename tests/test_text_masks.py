@@ -104,6 +104,27 @@ def test_the_loss_covers_every_token_when_asked(model_dir: Path) -> None:
         assert ids == theirs["input_ids"] and mask == _trl_mask(theirs) == [1] * len(ids)
 
 
+def test_trls_qwen2_5_template_also_trains_the_newline_after_each_assistant_header(model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    # A tokenizer with Qwen2.5's own chat template: TRL swaps in its training variant, whose
+    # generation markers start right after "<|im_start|>assistant", before the "\n" that the
+    # generation prompt ends with. ddp_amp's assistant turn starts after the generation prompt.
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = (Path(_trl().__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    rows = conversations(6)
+    ours = Encoder(tokenizer, TextFormat()).encode("messages", rows, str)
+    trl = _trl_rows(model_dir, rows, tokenizer=tokenizer, assistant_only_loss=True)
+    for (ids, mask), theirs, row in zip(ours, trl, rows):
+        assert ids == theirs["input_ids"]
+        only_trl = [t for t, (m, k) in enumerate(zip(mask, _trl_mask(theirs))) if k and not m]
+        assert not [t for t, (m, k) in enumerate(zip(mask, _trl_mask(theirs))) if m and not k]
+        assert len(only_trl) == sum(m["role"] == "assistant" for m in row["messages"])  # one token a turn
+        for t in only_trl:
+            assert tokenizer.decode(ids[t]) == "\n" and tokenizer.decode(ids[:t]).endswith("<|im_start|>assistant")
+
+
 @pytest.mark.parametrize("completion_only_loss,assistant_only_loss",
                          [(True, True), (True, False), (False, True), (False, False)])
 def test_conversational_completions_follow_both_options_as_trl(model_dir: Path, completion_only_loss: bool,

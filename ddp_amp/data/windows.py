@@ -5,7 +5,8 @@ next tokens (-100 where the loss does not look), positions count from 0 (and res
 document where boundaries are kept).
 
 - `WrappedWindows` (packing `wrapped`): documents end to end, cut into consecutive windows of
-  seq + 1 tokens, the remainder dropped: run_clm.py's `group_texts` with block size seq + 1.
+  seq + 1 tokens, the remainder dropped: run_clm.py's `group_texts` with block size seq + 1,
+  where its texts end in the EOS and all rows are grouped in one batch (docs/data.md).
   Window i is tokens [i (seq + 1), (i + 1)(seq + 1)): nothing is indexed, whatever the size.
   Of masked documents (conversations, completions), a window with no target is dropped
   (`trained_windows` finds the others, once: a plan, plan_store.py).
