@@ -110,9 +110,12 @@ def test_trls_qwen2_5_template_also_trains_the_newline_after_each_assistant_head
     # A tokenizer with Qwen2.5's own chat template: TRL swaps in its training variant, whose
     # generation markers start right after "<|im_start|>assistant", before the "\n" that the
     # generation prompt ends with. ddp_amp's assistant turn starts after the generation prompt.
+    shipped = Path(_trl().__file__).parent / "chat_templates" / "qwen2_5.jinja"
+    if not shipped.is_file():
+        pytest.skip(f"this TRL ships no {shipped.name} (TRL 1.16 does)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.chat_template = (Path(_trl().__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    tokenizer.chat_template = shipped.read_text()
     rows = conversations(6)
     ours = Encoder(tokenizer, TextFormat()).encode("messages", rows, str)
     trl = _trl_rows(model_dir, rows, tokenizer=tokenizer, assistant_only_loss=True)
