@@ -20,8 +20,8 @@ from ddp_amp.errors import UsageError
 ROWS = [{"text": f"document {i} " + "word " * (i % 7), "n": i} for i in range(50)]
 
 
-def _rows_of(spec: str, sample_by: str = "line") -> list[dict[str, object]]:
-    source = resolve_source(spec, "--data")
+def _rows_of(spec: str, sample_by: str = "line", flag: str = "--data") -> list[dict[str, object]]:
+    source = resolve_source(spec, flag)
     return [row for file in source.files for unit in units_of(file, sample_by) for _, row in read_rows(unit, sample_by)]
 
 
@@ -99,6 +99,14 @@ def test_an_unreadable_row_is_named_by_file_and_line(tmp_path: Path, content: by
     (tmp_path / "d.jsonl").write_bytes(content)
     with pytest.raises(UsageError, match=message):
         _rows_of(str(tmp_path / "d.jsonl"))
+
+
+def test_a_row_error_names_the_option_of_its_source_and_says_at_once(tmp_path: Path) -> None:
+    (tmp_path / "d.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "unterminated\n')
+    with pytest.raises(UsageError) as raised:
+        _rows_of(str(tmp_path / "d.jsonl"), flag="--eval-data")
+    assert str(raised.value).startswith("--eval-data=") and "d.jsonl, line 2" in str(raised.value)
+    assert str(raised.value).endswith("(hint: Invalid control character at column 23)")  # not "at at"
 
 
 def test_missing_and_unknown_inputs_are_refused_in_one_line(tmp_path: Path) -> None:

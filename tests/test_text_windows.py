@@ -4,6 +4,14 @@ window gets the logits it gets alone; best-fit decreasing keeps documents whole.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -12,14 +20,18 @@ import numpy as np
 import pytest
 import torch
 
+from ddp_amp.data import BatchStream
 from ddp_amp.data.encoding import TextFormat
 from ddp_amp.data.packing import PackPlan, build_plan
+from ddp_amp.data.plan_store import PlanArrays
 from ddp_amp.data.sources import resolve_source
 from ddp_amp.data.token_cache import open_or_build
+from ddp_amp.data.text_data import WindowOptions, text_datasets
 from ddp_amp.data.token_store import TokenSplit
 from ddp_amp.data.windows import IGNORE, PackedWindows, WrappedWindows
 from ddp_amp.torch_api import DOCUMENT_MASKS
-from tests.text_model import corpus_documents, make_model_dir, write_jsonl
+from tests.multiproc import REPO_ROOT, cli_env
+from tests.text_model import conversations, corpus_documents, make_model_dir, write_jsonl
 from tests.torch_features import needs
 
 SEQ = 63
@@ -105,9 +117,8 @@ def test_best_fit_decreasing_keeps_documents_whole(tmp_path: Path, model_dir: Pa
     lengths = split.lengths()
     capacity = SEQ + 1
     for mode in ("keep_start", "keep_end", "drop"):
-        prefix = tmp_path / f"plan-{mode}"
-        stats = build_plan(lengths, capacity, mode, prefix)
-        windows = PackedWindows(split, PackPlan(prefix, capacity, mode), SEQ, pad_id=2)
+        arrays, stats = build_plan(lengths, capacity, mode)
+        windows = PackedWindows(split, PackPlan(PlanArrays(None, arrays), capacity, mode), SEQ, pad_id=2)
         placed: list[int] = []
         for index in range(len(windows)):
             documents = windows.plan.documents_of(index)
@@ -130,7 +141,76 @@ def test_a_truncated_document_keeps_its_start_or_its_end(tmp_path: Path, model_d
     split = _split(tmp_path, model_dir, [" ".join(str(i) for i in range(200))])
     whole = split.token_slice(0, split.tokens)
     for mode, kept in (("keep_start", whole[:SEQ + 1]), ("keep_end", whole[-(SEQ + 1):])):
-        prefix = tmp_path / mode
-        build_plan(split.lengths(), SEQ + 1, mode, prefix)
-        item = PackedWindows(split, PackPlan(prefix, SEQ + 1, mode), SEQ, pad_id=0)[0]
+        arrays, _ = build_plan(split.lengths(), SEQ + 1, mode)
+        item = PackedWindows(split, PackPlan(PlanArrays(None, arrays), SEQ + 1, mode), SEQ, pad_id=0)[0]
         assert np.array_equal(item["input_ids"].numpy(), kept[:-1].astype(np.int64))
+
+
+def _windows_of(ctx: object, spec: str, model_dir: Path, cache: Path, seq: int) -> dict[str, Any]:
+    """Every window (a digest of each) of `spec`, packed and wrapped, and this rank's share of
+    the first two optimizer steps of 4 windows (collective where a group is formed)."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    found: dict[str, Any] = {}
+    for packing in ("bfd", "wrapped"):
+        windows = text_datasets((spec,), (), AutoTokenizer.from_pretrained(model_dir), model_dir, TextFormat(), 0.0,
+                                WindowOptions(seq, packing, True, "keep_start", 2), cache, 0, 400, "model").train
+        stream = BatchStream(windows, 4 // ranks, rank, ranks, seed=3, device=torch.device("cpu"), samples_per_step=4)
+        steps = [next(stream) for _ in range(2)]
+        found[packing] = {"all": [_digest(windows[i]) for i in range(len(windows))],  # type: ignore[arg-type]
+                          "steps": [sorted(_digest({k: v[j] for k, v in batch.items()}) for j in range(4 // ranks))
+                                    for batch in steps]}
+    return found
+
+
+def _digest(item: dict[str, torch.Tensor]) -> str:
+    return hashlib.sha1(item["input_ids"].numpy().tobytes() + item["labels"].numpy().tobytes()).hexdigest()[:16]
+
+
+_READ_ONLY_RANKS = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from tests.multiproc import run_ranks
+    from tests.test_text_windows import _windows_of
+    print(json.dumps(run_ranks(_windows_of, 2, sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))))
+""")
+
+
+def _read_only(folder: Path, command: list[str]) -> list[str]:
+    """`command` run where `folder` cannot be written: for root (whom permissions do not stop),
+    in a mount namespace where it is bound read-only (EROFS, a read-only mount); else with its
+    write permissions taken away (EACCES, another user's cache)."""
+    if os.geteuid() != 0:
+        for path in [folder, *folder.rglob("*")]:
+            path.chmod(path.stat().st_mode & ~0o222)
+        return command
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount --bind -o ro "$0" "$0" && ! touch "$0/.probe"',
+                            str(folder)], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no read-only bind mount here (unshare -rm: {probe.stderr.decode().strip()[-200:]})")
+    return ["unshare", "-rm", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(folder), *command]
+
+
+def test_a_read_only_cache_plans_in_memory_the_same_windows_on_every_rank(tmp_path: Path, model_dir: Path) -> None:
+    spec = str(write_jsonl(tmp_path / "chat.jsonl", conversations(40)))
+    cache = tmp_path / "cache"
+    _windows_of(None, spec, model_dir, cache, 255)  # a shared cache built and planned for one window size
+    shutil.copytree(cache, tmp_path / "writable")
+    seq = 100  # a size it holds no plan for, at which some conversations are cut before their answer
+    expected = _windows_of(None, spec, model_dir, tmp_path / "writable", seq)
+    before = sorted(path.name for path in cache.rglob("*"))
+    command = _read_only(cache, [sys.executable, "-c", _READ_ONLY_RANKS, spec, str(model_dir), str(cache), str(seq)])
+    result = subprocess.run(command, capture_output=True, text=True, env=cli_env(), cwd=REPO_ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = json.loads(result.stdout.strip().splitlines()[-1])
+    held = "; planned in memory, as the cache entry cannot be written"
+    assert re.search(rf"[1-9][0-9]* dropped with no target in the part a window keeps{held}", result.stderr)
+    assert re.search(rf"\([1-9][0-9]* dropped with no target in them{held}", result.stderr)
+    assert sorted(path.name for path in cache.rglob("*")) == before  # nothing was written
+    for packing in ("bfd", "wrapped"):
+        assert ranks[0][packing]["all"] == ranks[1][packing]["all"] == expected[packing]["all"], packing
+        for step in range(2):  # step k holds the same windows on 2 ranks as on 1
+            together = sorted(ranks[0][packing]["steps"][step] + ranks[1][packing]["steps"][step])
+            assert together == expected[packing]["steps"][step], packing

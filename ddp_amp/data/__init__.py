@@ -17,8 +17,8 @@ sources.py (what `--data` names) -> readers.py (rows, a unit of a file at a time
 encoding.py (rows to tokens and loss masks, by the model's tokenizer) -> token_cache.py and
 unit_writer.py (tokenized once by every rank together into a cache entry) -> token_store.py
 (reading an entry without loading it) -> windows.py and packing.py (group_texts windows, or
-whole documents packed best-fit decreasing) -> mixture.py (sources by weight) -> the
-map-style stream above, in order.py's order.
+whole documents packed best-fit decreasing; their plans kept by plan_store.py) -> mixture.py
+(sources by weight) -> the map-style stream above, in order.py's order.
 """
 
 from __future__ import annotations

@@ -14,9 +14,14 @@ reads):
 - `prompt` and `completion`, both text: their concatenation, tokenized as a document; with
   `completion_only_loss` the loss covers the tokens that hold completion characters and the
   EOS (TRL's completion mask: a token the prompt and completion share counts as completion).
-  Both lists of messages: rendered as a conversation whose completion is the assistant part.
+  Both lists of messages: rendered as one conversation. As in TRL, both options apply, each
+  where it is on: `completion_only_loss` keeps what the completion adds to the prompt
+  rendered with the generation prompt, `assistant_only_loss` keeps the assistant turns (of
+  the prompt too), and a token is a target where every option that is on keeps it.
 
 The mask is per token: 1 where the token is a target the loss covers. Text rows have none.
+Tokens are those `tokenizer(text)` gives: a truncation or padding saved in the tokenizer's
+files is switched off first, as transformers does on every call that does not ask for it.
 """
 
 from __future__ import annotations
@@ -44,29 +49,43 @@ class TextFormat:
     completion_only_loss: bool = True
 
     def key(self) -> dict[str, Any]:
-        return asdict(self)
+        made = asdict(self)
+        if not (self.assistant_only_loss and self.completion_only_loss):
+            # Conversational prompt/completion rows once read only one of the two options: an
+            # entry made then is not one made now.
+            made["masks"] = 2
+        return made
 
 
-def row_kind(row: dict[str, Any], fmt: TextFormat, where: Callable[[], str]) -> str:
+def row_kind(row: dict[str, Any], fmt: TextFormat, where: Callable[[], str], flag: str = "--data") -> str:
     """The kind of `row`, or a one-line error naming the fields it has (and where the row is:
-    `where()`, only then, as finding a line number reads the file up to it)."""
+    `where()`, only then, as finding a line number reads the file up to it; `flag`: the option
+    that named the source)."""
     if "messages" in row:
         return "messages"
     if "prompt" in row and "completion" in row:
         return "prompt_completion"
     if fmt.dataset_text_field in row:
         return "text"
-    raise UsageError("--data", where(), f"rows with a {fmt.dataset_text_field!r} field, 'messages', or 'prompt' and "
+    raise UsageError(flag, where(), f"rows with a {fmt.dataset_text_field!r} field, 'messages', or 'prompt' and "
                      f"'completion' (this row has {', '.join(sorted(row)) or 'no fields'})",
                      "name the text field with --task-opt dataset_text_field=FIELD")
 
 
 class Encoder:
-    """Encodes a source's rows with `tokenizer` (a transformers fast tokenizer)."""
+    """Encodes a source's rows with `tokenizer` (a transformers fast tokenizer); `flag` is the
+    option that named the source, for errors about its rows."""
 
-    def __init__(self, tokenizer: Any, fmt: TextFormat) -> None:
-        self.tokenizer, self.fmt = tokenizer, fmt
+    def __init__(self, tokenizer: Any, fmt: TextFormat, flag: str = "--data") -> None:
+        self.tokenizer, self.fmt, self.flag = tokenizer, fmt, flag
         self.backend = tokenizer.backend_tokenizer  # the Rust tokenizer: batched, offsets, no Python per token
+        # A tokenizer saved after a call with truncation=True or padding= keeps that setting in
+        # its backend, which would cut or pad every document here; `tokenizer(text)` switches
+        # both off unless asked (transformers sets them per call), and so does this.
+        if self.backend.truncation is not None:
+            self.backend.no_truncation()
+        if self.backend.padding is not None:
+            self.backend.no_padding()
         self.eos = tokenizer.eos_token_id
 
     def check(self, kind: str, source: str) -> None:
@@ -75,7 +94,7 @@ class Encoder:
             raise UsageError("--task-opt model", source, "a tokenizer with an eos_token (it separates documents)",
                              "set eos_token in the model directory's tokenizer_config.json")
         if kind == "messages" and not getattr(self.tokenizer, "chat_template", None):
-            raise UsageError("--data", source, "a tokenizer with a chat template, for rows of 'messages'",
+            raise UsageError(self.flag, source, "a tokenizer with a chat template, for rows of 'messages'",
                              "add chat_template.jinja (or chat_template in tokenizer_config.json) to the model "
                              "directory, or give rows with a text field")
 
@@ -91,7 +110,7 @@ class Encoder:
         for i, row in enumerate(rows):
             text = row.get(field)
             if not isinstance(text, str):
-                raise UsageError("--data", where(i), f"a text in field {field!r}",
+                raise UsageError(self.flag, where(i), f"a text in field {field!r}",
                                  f"got {type(text).__name__}; name the text field with --task-opt dataset_text_field")
             texts.append(text)
         encodings = self.backend.encode_batch(texts, add_special_tokens=True)
@@ -109,14 +128,14 @@ class Encoder:
             return self._completion(prompt, completion)
         if kind == "prompt_completion":
             if not (isinstance(prompt, list) and isinstance(completion, list)):
-                raise UsageError("--data", where(), "'prompt' and 'completion' both text or both lists of messages",
+                raise UsageError(self.flag, where(), "'prompt' and 'completion' both text or both lists of messages",
                                  f"got {type(prompt).__name__} and {type(completion).__name__}")
-            return self._conversation(prompt + completion, row.get("tools"), where, first_target=len(prompt))
+            return self._conversation(prompt + completion, row.get("tools"), where, prompt_turns=len(prompt))
         messages = row.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise UsageError("--data", where(), "'messages' as a list of {role, content} objects",
+            raise UsageError(self.flag, where(), "'messages' as a list of {role, content} objects",
                              f"got {type(messages).__name__}")
-        return self._conversation(messages, row.get("tools"), where, first_target=0)
+        return self._conversation(messages, row.get("tools"), where, prompt_turns=None)
 
     def _completion(self, prompt: str, completion: str) -> Encoded:
         encoding = self.backend.encode(prompt + completion, add_special_tokens=True)
@@ -132,41 +151,53 @@ class Encoder:
                                                       add_generation_prompt=generation_prompt))
 
     def _conversation(self, messages: list[dict[str, Any]], tools: Any, where: Callable[[], str],
-                      first_target: int) -> Encoded:
+                      prompt_turns: int | None) -> Encoded:
+        """A conversation's (ids, mask); `prompt_turns`: how many of `messages` are a
+        conversational prompt (the rest its completion), None for a `messages` row."""
+        completion_only = prompt_turns is not None and self.fmt.completion_only_loss
         try:
             text = self._render(messages, tools, False)
-            spans = self._assistant_spans(messages, tools, text, where, first_target) \
-                if self.fmt.assistant_only_loss else []
+            spans = []  # each option that is on: the character spans it keeps
+            if self.fmt.assistant_only_loss:
+                spans.append(self._assistant_spans(messages, tools, text, where))
+            if completion_only:
+                prompt = self._render(messages[:prompt_turns], tools, True)
+                if not text.startswith(prompt):
+                    raise UsageError(self.flag, where(), "a chat template that renders the prompt the same with "
+                                     "its completion after it (so the completion's tokens can be found)",
+                                     "set --task-opt completion_only_loss=false to train on the prompt too")
+                spans.append([(len(prompt), len(text))])
         except UsageError:
             raise
         except Exception as error:  # noqa: BLE001 - a template's own error (jinja raise_exception), in one line
-            raise UsageError("--data", where(), "a conversation the chat template renders",
+            raise UsageError(self.flag, where(), "a conversation the chat template renders",
                              f"{type(error).__name__}: {error}") from None
         encoding = self.backend.encode(text, add_special_tokens=False)
         ids = list(encoding.ids)
-        if not self.fmt.assistant_only_loss:
-            return ids, [1] * len(ids)
         starts = np.array([start for start, _ in encoding.offsets])
         ends = np.array([end for _, end in encoding.offsets])
-        mask = np.zeros(len(ids), dtype=np.uint8)
-        for low, high in spans:  # a token is a target where its characters overlap the span
-            mask |= (ends > low) & (starts < high)
-        return ids, mask.tolist()
+        mask = np.ones(len(ids), dtype=bool)
+        for kept in spans:  # a token is a target where its characters overlap a kept span, for every option
+            covered = np.zeros(len(ids), dtype=bool)
+            for low, high in kept:
+                covered |= (ends > low) & (starts < high)
+            mask &= covered
+        return ids, mask.astype(np.uint8).tolist()
 
-    def _assistant_spans(self, messages: list[dict[str, Any]], tools: Any, text: str, where: Callable[[], str],
-                         first_target: int) -> list[tuple[int, int]]:
+    def _assistant_spans(self, messages: list[dict[str, Any]], tools: Any, text: str,
+                         where: Callable[[], str]) -> list[tuple[int, int]]:
         spans = []
-        for index in range(first_target, len(messages)):
+        for index in range(len(messages)):
             if messages[index].get("role") != "assistant":
                 continue
             before = self._render(messages[:index], tools, True)
             through = self._render(messages[:index + 1], tools, False)
             if not (through.startswith(before) and text.startswith(through)):
-                raise UsageError("--data", where(), "a chat template that renders a conversation's turns "
+                raise UsageError(self.flag, where(), "a chat template that renders a conversation's turns "
                                  "the same whatever follows them (so each assistant turn's tokens can be found)",
                                  "set --task-opt assistant_only_loss=false to train on every token")
             spans.append((len(before), len(through)))
         if not spans:
-            raise UsageError("--data", where(), "a conversation with an assistant turn to train on",
+            raise UsageError(self.flag, where(), "a conversation with an assistant turn to train on",
                              "drop the row, or set --task-opt assistant_only_loss=false")
         return spans

@@ -2,23 +2,24 @@
 
 The algorithm (TRL's default `bfd` strategy and Megatron's packed SFT do the same kind):
 documents longer than a window are cut to one (`keep_start` keeps their start, `keep_end`
-their end) or dropped (`drop`); the rest are taken longest first, and each goes into the open
-window whose free room is the smallest that still holds it, or opens a new window. A segment
-tree over the free-room values (0..window) answers "the smallest room >= n" in O(log window),
-so packing D documents costs O(D log window) time and O(D) memory, once: the plan is written
-into the cache entry beside the split (`<split>.pack-<window>-<mode>.*`) and memory-mapped by
-every rank after that. docs/data.md gives the fill rates measured.
+their end) or dropped (`drop`); a document whose kept part has no target (a conversation
+whose assistant turns lie past the cut, say) is dropped too, as TRL drops an example that
+truncation left fully masked: it would only fill a window the loss does not look at. The
+rest are taken longest first, and each goes into the open window whose free room is the
+smallest that still holds it, or opens a new window. A segment tree over the free-room values
+(0..window) answers "the smallest room >= n" in O(log window), so packing D documents costs
+O(D log window) time and O(D) memory, once: the plan is kept in the cache entry beside the
+split (plan_store.py: `<split>.bfd-<window>-<mode>.*`) and memory-mapped by every rank after
+that. docs/data.md gives the fill rates measured.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from ddp_amp.data.token_store import random_access_map
-from ddp_amp.durable import write_atomic
+from ddp_amp.data.plan_store import PlanArrays
 
 TRUNCATION_MODES = ("keep_start", "keep_end", "drop")
 
@@ -75,51 +76,57 @@ def best_fit_decreasing(sizes: np.ndarray, capacity: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PackStats:
-    documents: int
+    documents: int  # packed
     windows: int
-    truncated: int
-    dropped: int
+    truncated: int  # packed, cut to a window
+    dropped: int  # longer than a window, under mode "drop"
+    untrained: int  # dropped: no target in the part a window would keep
     fill: float  # tokens placed / (windows x window size)
 
 
-def build_plan(lengths: np.ndarray, capacity: int, mode: str, prefix: Path) -> PackStats:
-    """Pack documents of `lengths` into windows of `capacity` tokens; write the plan files."""
+def kept_spans(offsets: np.ndarray, capacity: int, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """Each document's part a window keeps, [low, high) in the split's tokens (`offsets`: the
+    documents' starts and the end; a document longer than `capacity` keeps its start or its end)."""
+    starts, stops = np.asarray(offsets[:-1], np.int64), np.asarray(offsets[1:], np.int64)
+    kept = np.minimum(stops - starts, capacity)
+    return (stops - kept, stops) if mode == "keep_end" else (starts, starts + kept)
+
+
+def build_plan(lengths: np.ndarray, capacity: int, mode: str,
+               trained: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], PackStats]:
+    """Pack documents of `lengths` into windows of `capacity` tokens: the plan's arrays (`docs`:
+    the documents window by window; `bounds`: where each window's run of them starts) and its
+    stats. `trained[d]`: whether document d's kept part holds a target (None: every one does)."""
     ids = np.arange(len(lengths), dtype=np.int64)
     keep = lengths > 0
     if mode == "drop":
         keep &= lengths <= capacity
+    untrained = 0
+    if trained is not None:
+        untrained = int((keep & ~trained).sum())
+        keep &= trained
     sizes = np.minimum(lengths[keep], capacity)
     window_of = best_fit_decreasing(sizes, capacity) if len(sizes) else np.zeros(0, dtype=np.int64)
     order = np.argsort(window_of, kind="stable")
     windows = int(window_of.max()) + 1 if len(window_of) else 0
     bounds = np.searchsorted(window_of[order], np.arange(windows + 1)).astype(np.uint64)
-    write_atomic(prefix.with_name(prefix.name + ".docs"), ids[keep][order].astype(np.uint64).tobytes())
-    write_atomic(prefix.with_name(prefix.name + ".bounds"), bounds.tobytes())
-    over = int((lengths > capacity).sum())
-    return PackStats(int(keep.sum()), windows, over if mode != "drop" else 0, over if mode == "drop" else 0,
-                     float(sizes.sum()) / max(windows * capacity, 1))
+    over = lengths > capacity
+    stats = PackStats(int(keep.sum()), windows, int((over & keep).sum()) if mode != "drop" else 0,
+                      int(over.sum()) if mode == "drop" else 0, untrained,
+                      float(sizes.sum()) / max(windows * capacity, 1))
+    return {"docs": ids[keep][order].astype(np.uint64), "bounds": bounds}, stats
 
 
 class PackPlan:
-    """A written plan: which documents each window holds, memory-mapped on use."""
+    """A plan's windows: which documents each holds (arrays memory-mapped or held: plan_store.py)."""
 
-    def __init__(self, prefix: Path, capacity: int, mode: str) -> None:
-        self.prefix, self.capacity, self.mode = prefix, capacity, mode
-        self.windows = prefix.with_name(prefix.name + ".bounds").stat().st_size // 8 - 1
-        self._maps: dict[str, np.ndarray] = {}
-
-    def __getstate__(self) -> dict[str, object]:
-        return {**self.__dict__, "_maps": {}}
-
-    def _map(self, name: str) -> np.ndarray:
-        if name not in self._maps:
-            self._maps[name] = random_access_map(self.prefix.with_name(f"{self.prefix.name}.{name}"),
-                                                 np.dtype(np.uint64))
-        return self._maps[name]
+    def __init__(self, arrays: PlanArrays, capacity: int, mode: str) -> None:
+        self.arrays, self.capacity, self.mode = arrays, capacity, mode
+        self.windows = len(arrays["bounds"]) - 1
 
     def documents_of(self, window: int) -> list[int]:
-        bounds = self._map("bounds")
-        return self._map("docs")[int(bounds[window]):int(bounds[window + 1])].astype(np.int64).tolist()
+        bounds = self.arrays["bounds"]
+        return self.arrays["docs"][int(bounds[window]):int(bounds[window + 1])].astype(np.int64).tolist()
 
     def kept(self, start: int, stop: int) -> tuple[int, int]:
         """The part of a document [start, stop) its window holds."""

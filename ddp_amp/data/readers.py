@@ -62,7 +62,7 @@ def _open(file: SourceFile) -> IO[bytes]:
         try:
             import zstandard
         except ImportError:
-            raise UsageError("--data", file.path, "the zstandard package installed, for .zst files",
+            raise UsageError(file.flag, file.path, "the zstandard package installed, for .zst files",
                              "pip install zstandard, or decompress the file") from None
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(file.path, "rb")))
     return open(file.path, "rb")
@@ -93,7 +93,7 @@ def _arrow_dataset(file: SourceFile) -> Any:
     try:
         import datasets
     except ImportError:
-        raise UsageError("--data", file.path, "the datasets package installed, to read a save_to_disk folder",
+        raise UsageError(file.flag, file.path, "the datasets package installed, to read a save_to_disk folder",
                          "pip install 'ddp_amp[text]'") from None
     return datasets.load_from_disk(file.path)
 
@@ -125,7 +125,7 @@ def _decoded(unit: Unit, locator: int, raw: bytes) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise UsageError("--data", where(unit, locator), "UTF-8 text",
+        raise UsageError(unit.file.flag, where(unit, locator), "UTF-8 text",
                          f"byte {error.start} of the row is {raw[error.start:error.start + 1]!r}; re-encode the "
                          "file as UTF-8 (iconv -f latin1 -t utf-8)") from None
 
@@ -136,7 +136,7 @@ def _json_rows(unit: Unit) -> Iterator[tuple[int, dict[str, Any]]]:
             items = json.loads(_decoded(unit, 0, stream.read()))
         for index, item in enumerate(items):
             if not isinstance(item, dict):
-                raise UsageError("--data", f"{unit.file.path}, item {index}", "a JSON object per item",
+                raise UsageError(unit.file.flag, f"{unit.file.path}, item {index}", "a JSON object per item",
                                  f"got {type(item).__name__}")
             yield index, item
         return
@@ -146,10 +146,12 @@ def _json_rows(unit: Unit) -> Iterator[tuple[int, dict[str, Any]]]:
         try:
             row = json.loads(_decoded(unit, offset, raw))
         except json.JSONDecodeError as error:
-            raise UsageError("--data", where(unit, offset), "one JSON object per line",
-                             f"{error.msg} at column {error.colno}") from None
+            # Some of json's messages end in "at" ("Unterminated string starting at"): one "at" here.
+            raise UsageError(unit.file.flag, where(unit, offset), "one JSON object per line",
+                             f"{error.msg.removesuffix(' at')} at column {error.colno}") from None
         if not isinstance(row, dict):
-            raise UsageError("--data", where(unit, offset), "one JSON object per line", f"got {type(row).__name__}")
+            raise UsageError(unit.file.flag, where(unit, offset), "one JSON object per line",
+                             f"got {type(row).__name__}")
         yield offset, row
 
 

@@ -41,6 +41,7 @@ class SourceFile:
     compression: str  # "" or one of COMPRESSIONS
     size: int
     mtime_ns: int
+    flag: str = "--data"  # the option that named it (--data or --eval-data), for errors about its rows
 
     def identity(self) -> list[object]:
         return [self.path, self.size, self.mtime_ns]
@@ -53,6 +54,7 @@ class Source:
     spec: str
     files: tuple[SourceFile, ...]
     weight: float
+    flag: str = "--data"  # or --eval-data
 
     def identity(self) -> list[object]:
         """What the tokenized cache of this source is keyed by (not the weight: it is applied
@@ -101,7 +103,7 @@ def _dataset_folder(path: Path, flag: str) -> SourceFile:
     arrows = sorted(path.glob("*.arrow"))
     stats = [arrow.stat() for arrow in arrows]
     return SourceFile(str(path.resolve()), "arrow", "", sum(s.st_size for s in stats),
-                      max((s.st_mtime_ns for s in stats), default=0))
+                      max((s.st_mtime_ns for s in stats), default=0), flag)
 
 
 def resolve_source(spec: str, flag: str) -> Source:
@@ -125,5 +127,5 @@ def resolve_source(spec: str, flag: str) -> Source:
                 pass
         except OSError as error:
             raise UsageError(flag, str(path), "a readable file", f"{type(error).__name__}: {error}") from None
-        files.append(SourceFile(str(path.resolve()), fmt, compression, stat.st_size, stat.st_mtime_ns))
-    return Source(spec, tuple(files), weight)
+        files.append(SourceFile(str(path.resolve()), fmt, compression, stat.st_size, stat.st_mtime_ns, flag))
+    return Source(spec, tuple(files), weight, flag)

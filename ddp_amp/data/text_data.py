@@ -13,21 +13,23 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch.utils.data import Dataset
 
 from ddp_amp.data.encoding import TextFormat
 from ddp_amp.data.mixture import Mixture
-from ddp_amp.data.packing import PackPlan, build_plan
+from ddp_amp.data.packing import PackPlan, PackStats, build_plan, kept_spans
+from ddp_amp.data.plan_store import Plan, planned
 from ddp_amp.data.readers import Unit, where
 from ddp_amp.data.sources import resolve_source
 from ddp_amp.data.token_cache import open_or_build
 from ddp_amp.data.token_store import TokenSplit
-from ddp_amp.data.windows import PackedWindows, WrappedWindows
-from ddp_amp.distributed import has_peers, on_every_rank, on_rank_zero
+from ddp_amp.data.windows import PackedWindows, WrappedWindows, trained_windows
+from ddp_amp.distributed import has_peers, on_every_rank
 from ddp_amp.errors import UsageError
 
 
@@ -55,8 +57,9 @@ def _say(line: str) -> None:
         print(f"[ddp_amp] data: {line}", file=sys.stderr, flush=True)
 
 
-def check_vocabulary(split: TokenSplit, vocab_size: int, model: str) -> None:
-    """A one-line error naming the file and row of the first token id >= `vocab_size`."""
+def check_vocabulary(split: TokenSplit, vocab_size: int, model: str, flag: str = "--data") -> None:
+    """A one-line error naming the file and row of the first token id >= `vocab_size` (of a
+    source that `flag` named)."""
     if split.max_id < vocab_size:
         return
     found = split.first_token_at_least(vocab_size)
@@ -65,25 +68,43 @@ def check_vocabulary(split: TokenSplit, vocab_size: int, model: str) -> None:
     position, token = found
     document = int(split.document_starts(0, position + 1).size) - 1
     unit_index, locator = split.row_of(document)
-    raise UsageError("--data", where(Unit.from_list(split.meta["units"][unit_index]), locator),
+    raise UsageError(flag, where(Unit.from_list(split.meta["units"][unit_index]), locator),
                      f"token ids below the model's vocab_size {vocab_size}",
                      f"its tokens include id {token}: the tokenizer has more ids than {model}'s embedding; use the "
                      "model's own tokenizer, or resize its embeddings")
 
 
+def _held(plan: Plan) -> str:
+    return f"; planned in memory, as {plan.held_because}" if plan.held_because else ""
+
+
 def _windows(split: TokenSplit, options: WindowOptions) -> tuple[Dataset, str]:
-    if (options.packing or ("bfd" if split.masked else "wrapped")) == "wrapped":
-        return WrappedWindows(split, options.seq, options.boundaries, options.pad_id), ""
+    """The split's windows, and what the start line says of them. Wrapped text needs no plan;
+    wrapped masked documents and packed ones are planned once (plan_store.py)."""
     capacity = options.seq + 1
-    prefix = split.folder / f"{split.split}.pack-{capacity}-{options.truncation_mode}"
-    stats = on_rank_zero(lambda: None if prefix.with_name(prefix.name + ".bounds").exists() else
-                         build_plan(split.lengths(), capacity, options.truncation_mode, prefix))
-    note = ""
-    if stats is not None:
-        note = (f", {stats.documents:,} documents packed best-fit decreasing into {stats.windows:,} windows "
-                f"({stats.fill:.1%} filled; {stats.truncated:,} truncated, {stats.dropped:,} dropped as longer than "
-                f"{capacity} tokens)")
-    return PackedWindows(split, PackPlan(prefix, capacity, options.truncation_mode), options.seq, options.pad_id), note
+    if (options.packing or ("bfd" if split.masked else "wrapped")) == "wrapped":
+        if not split.masked:  # every window of text holds targets
+            return WrappedWindows(split, options.seq, options.boundaries, options.pad_id), ""
+        name = f"{split.split}.wrapped-{capacity}" + ("-boundaries" if options.boundaries else "")
+        plan = planned(split.folder / name, lambda: trained_windows(split, options.seq, options.boundaries))
+        windows = WrappedWindows(split, options.seq, options.boundaries, options.pad_id,
+                                 plan.arrays if plan.facts["untrained"] else None)
+        return windows, f" ({plan.facts['untrained']:,} dropped with no target in them{_held(plan)})"
+
+    def make() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        starts, stops = kept_spans(split.offsets, capacity, options.truncation_mode)
+        # A piece's first token is no label: a target is one of the others (and the mask's).
+        trained = split.targets_in(starts + 1, stops, skip_starts=True) > 0 if split.masked else None
+        arrays, stats = build_plan(split.lengths(), capacity, options.truncation_mode, trained)
+        return arrays, asdict(stats)
+
+    plan = planned(split.folder / f"{split.split}.bfd-{capacity}-{options.truncation_mode}", make)
+    stats = PackStats(**plan.facts)
+    note = (f", {stats.documents:,} documents packed best-fit decreasing into {stats.windows:,} windows "
+            f"({stats.fill:.1%} filled; {stats.truncated:,} truncated, {stats.dropped:,} dropped as longer than "
+            f"{capacity} tokens, {stats.untrained:,} dropped with no target in the part a window keeps{_held(plan)})")
+    return PackedWindows(split, PackPlan(plan.arrays, capacity, options.truncation_mode), options.seq,
+                         options.pad_id), note
 
 
 def text_datasets(train_specs: tuple[str, ...], eval_specs: tuple[str, ...], tokenizer: Any, tokenizer_dir: Path,
@@ -104,19 +125,20 @@ def text_datasets(train_specs: tuple[str, ...], eval_specs: tuple[str, ...], tok
         keys.append([train.folder.name, source.weight])
         for split in (train, held):
             if split is not None:
-                check_vocabulary(split, vocab_size, model)
+                check_vocabulary(split, vocab_size, model, source.flag)
         windows, note = _windows(train, options)
         _say(f"{spec}: {train.documents:,} documents, {train.tokens:,} tokens -> {len(windows):,} windows of "  # type: ignore[arg-type]  # map-style
              f"{options.seq + 1} tokens{note}")
         if len(windows) == 0:  # type: ignore[arg-type]  # map-style
-            raise UsageError("--data", spec, f"at least one window of {options.seq + 1} tokens",
-                             f"it holds {train.tokens:,} tokens; lower --task-opt max_length or add data")
+            raise UsageError("--data", spec, f"at least one window of {options.seq + 1} tokens with a target",
+                             f"it holds {train.tokens:,} tokens; lower --task-opt max_length or add data (the line "
+                             "above counts what was dropped with no target: raise max_length for those)")
         train_parts.append((windows, source.weight))
         if held is not None:
             eval_parts.append(_windows(held, options)[0])
     for source in eval_sources:
         split, _ = open_or_build(source, tokenizer, tokenizer_dir, fmt, 0.0, cache_root)
-        check_vocabulary(split, vocab_size, model)
+        check_vocabulary(split, vocab_size, model, source.flag)
         keys.append(["eval", split.folder.name])
         eval_parts.append(_windows(split, options)[0])
     train_data: Dataset = train_parts[0][0] if len(train_parts) == 1 and train_parts[0][1] == 1 else \

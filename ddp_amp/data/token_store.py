@@ -130,6 +130,31 @@ class TokenSplit:
         packed = int(self._map("rows")[document])
         return packed >> LOCATOR_BITS, packed & ((1 << LOCATOR_BITS) - 1)
 
+    def targets_in(self, lows: np.ndarray, highs: np.ndarray, skip_starts: bool, chunk: int = 1 << 24) -> np.ndarray:
+        """How many targets each span [lows[i], highs[i]) holds: tokens the mask covers (every
+        token where the split has no mask), not counting a document's first token where
+        `skip_starts` (a window that keeps boundaries predicts none). One pass over the mask, a
+        chunk at a time: O(tokens) read, O(spans) memory."""
+        points = np.concatenate([np.asarray(lows, np.int64), np.asarray(highs, np.int64)])
+        order = np.argsort(points, kind="stable")
+        ranked = points[order]
+        before = np.zeros(len(points), dtype=np.int64)  # targets before each point
+        total, done = 0, 0
+        for start in range(0, self.tokens, chunk):
+            stop = min(start + chunk, self.tokens)
+            mask = self.mask_slice(start, stop)
+            block = np.ones(stop - start, np.uint8) if mask is None else mask.copy()  # pread's buffer is read-only
+            if skip_starts:
+                block[self.document_starts(start, stop) - start] = 0
+            counts = np.cumsum(block, dtype=np.int32)  # a chunk's count fits
+            upto = int(np.searchsorted(ranked, stop, side="right"))
+            inside = ranked[done:upto] - start  # points in (start, stop]; 0 at a chunk's start
+            before[order[done:upto]] = total + np.where(inside > 0, counts[np.maximum(inside, 1) - 1], 0)
+            total += int(counts[-1])
+            done = upto
+        before[order[done:]] = total
+        return before[len(lows):] - before[:len(lows)]
+
     def first_token_at_least(self, limit: int, chunk: int = 1 << 24) -> tuple[int, int] | None:
         """(position, id) of the first token id >= `limit`, or None: a chunked scan."""
         for start in range(0, self.tokens, chunk):

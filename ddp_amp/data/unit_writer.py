@@ -113,10 +113,10 @@ def tokenize_unit(unit: Unit, index: int, file_index: int, encoder: Encoder, fmt
     for locator, row in read_rows(unit, fmt.sample_by):
         located = partial(where, unit, locator)
         if kind is None:
-            kind = row_kind(row, fmt, located)
+            kind = row_kind(row, fmt, located, unit.file.flag)
             encoder.check(kind, unit.file.path)
-        elif row_kind(row, fmt, located) != kind:
-            raise UsageError("--data", located(), f"rows of one kind in a source (the first was {kind})",
+        elif row_kind(row, fmt, located, unit.file.flag) != kind:
+            raise UsageError(unit.file.flag, located(), f"rows of one kind in a source (the first was {kind})",
                              "give text, conversations and completions as separate --data sources")
         batch.append((locator, row))
         if len(batch) >= BATCH_ROWS:
@@ -140,12 +140,13 @@ def _append(out: IO[bytes], path: Path) -> None:
 
 
 def join_units(staging: Path, units: list[Unit], made_from: dict[str, Any], dtype: np.dtype[Any], spec: str,
-               test_size: float) -> dict[str, Any]:
-    """Rank 0: join every unit's files into the entry's, write meta.json; returns it."""
+               test_size: float, flag: str = "--data") -> dict[str, Any]:
+    """Rank 0: join every unit's files into the entry's, write meta.json; returns it (`spec`
+    and `flag` name the source in an error)."""
     markers = [json.loads(_unit_path(staging, i, "json").read_text()) for i in range(len(units))]
     kinds = sorted({marker["kind"] for marker in markers if marker["kind"]})
     if len(kinds) > 1:
-        raise UsageError("--data", spec, f"rows of one kind in a source (found {' and '.join(kinds)})",
+        raise UsageError(flag, spec, f"rows of one kind in a source (found {' and '.join(kinds)})",
                          "give text, conversations and completions as separate --data sources")
     kind = kinds[0] if kinds else "text"
     masked = kind != "text"
@@ -174,7 +175,7 @@ def join_units(staging: Path, units: list[Unit], made_from: dict[str, Any], dtyp
             (staging / f"{split}.mask").unlink()
         splits[split] = counts
     if splits["train"]["documents"] == 0:
-        raise UsageError("--data", spec, "at least one non-empty document for training",
+        raise UsageError(flag, spec, "at least one non-empty document" + (" for training" if test_size else ""),
                          f"its {sum(m['empty'] for m in markers)} row(s) tokenized to nothing, or every one was "
                          "held out (lower --task-opt test_size)")
     for path in staging.glob("unit-*"):

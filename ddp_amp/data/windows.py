@@ -5,8 +5,11 @@ next tokens (-100 where the loss does not look), positions count from 0 (and res
 document where boundaries are kept).
 
 - `WrappedWindows` (packing `wrapped`): documents end to end, cut into consecutive windows of
-  seq + 1 tokens, the remainder dropped: run_clm.py's `group_texts` with block size seq + 1.
+  seq + 1 tokens, the remainder dropped: run_clm.py's `group_texts` with block size seq + 1,
+  where its texts end in the EOS and all rows are grouped in one batch (docs/data.md).
   Window i is tokens [i (seq + 1), (i + 1)(seq + 1)): nothing is indexed, whatever the size.
+  Of masked documents (conversations, completions), a window with no target is dropped
+  (`trained_windows` finds the others, once: a plan, plan_store.py).
 - `PackedWindows` (packing `bfd`): whole documents placed into windows by best-fit decreasing
   (packing.py), the rest of a window padded; boundaries are always kept.
 
@@ -24,6 +27,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ddp_amp.data.packing import PackPlan
+from ddp_amp.data.plan_store import PlanArrays
 from ddp_amp.data.token_store import TokenSplit
 
 IGNORE = -100  # the label cross-entropy skips (torch's ignore_index default)
@@ -51,12 +55,28 @@ def window_item(tokens: np.ndarray, mask: np.ndarray | None, starts: np.ndarray 
             "position_ids": torch.from_numpy(positions)}
 
 
-class WrappedWindows(Dataset):
-    """Consecutive windows of a split's token stream (`group_texts`), with or without boundaries."""
+def trained_windows(split: TokenSplit, seq: int, boundaries: bool) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Which of the split's wrapped windows hold a target (a label the loss looks at): a plan's
+    arrays (`kept`: their indices, empty where every window does) and facts (`windows`, and
+    `untrained`: how many do not). One pass over the mask."""
+    capacity = seq + 1
+    count = split.tokens // capacity
+    lows = np.arange(count, dtype=np.int64) * capacity
+    # A window's first token is no label; with boundaries, neither is a document's first token.
+    held = split.targets_in(lows + 1, lows + capacity, skip_starts=boundaries) > 0
+    untrained = count - int(held.sum())
+    kept = np.flatnonzero(held) if untrained else np.zeros(0, np.int64)
+    return {"kept": kept.astype(np.uint64)}, {"windows": count, "untrained": untrained}
 
-    def __init__(self, split: TokenSplit, seq: int, boundaries: bool, pad_id: int) -> None:
-        self.split, self.seq, self.boundaries, self.pad_id = split, seq, boundaries, pad_id
-        self.count = split.tokens // (seq + 1)
+
+class WrappedWindows(Dataset):
+    """Consecutive windows of a split's token stream (`group_texts`), with or without boundaries;
+    `plan`: where only some windows are used, `trained_windows`' arrays (None: all of them)."""
+
+    def __init__(self, split: TokenSplit, seq: int, boundaries: bool, pad_id: int,
+                 plan: PlanArrays | None = None) -> None:
+        self.split, self.seq, self.boundaries, self.pad_id, self.plan = split, seq, boundaries, pad_id, plan
+        self.count = split.tokens // (seq + 1) if plan is None else len(plan["kept"])
 
     def __len__(self) -> int:
         return self.count
@@ -64,6 +84,8 @@ class WrappedWindows(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < self.count:
             raise IndexError(index)
+        if self.plan is not None:
+            index = int(self.plan["kept"][index])
         start = index * (self.seq + 1)
         stop = start + self.seq + 1
         starts = self.split.document_starts(start, stop) - start if self.boundaries else None

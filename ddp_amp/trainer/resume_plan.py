@@ -112,6 +112,10 @@ def _decide(config: TrainConfig, run_dir: Path, chosen: Path | None, data_identi
     meta = Checkpointer.read_meta(path)
     refused, names, noticed = compare_settings(meta.config or {}, config)
     drift = _data_drift(meta, config, data_identity)
+    if drift and not refused:  # the data alone: one line, as any other single refusal
+        raise UsageError("--data", " ".join(config.data), f"the data {path.name} trained on",
+                         f"{drift[0].removeprefix('--data: ')}; resume on that data, start a new run (--run-dir / "
+                         "--run-name), or accept the change knowingly with --allow-change data")
     if drift and "data" not in names:
         refused, names = refused + drift, names + ["data"]
     if refused:
