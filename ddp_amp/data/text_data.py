@@ -78,18 +78,20 @@ def _held(plan: Plan) -> str:
     return f"; planned in memory, as {plan.held_because}" if plan.held_because else ""
 
 
-def _windows(split: TokenSplit, options: WindowOptions) -> tuple[Dataset, str]:
-    """The split's windows, and what the start line says of them. Wrapped text needs no plan;
-    wrapped masked documents and packed ones are planned once (plan_store.py)."""
+def _windows(split: TokenSplit, options: WindowOptions) -> tuple[Dataset, str, int]:
+    """The split's windows, what the start line says of them, and how many were dropped with
+    no target. Wrapped text needs no plan; wrapped masked documents and packed ones are
+    planned once (plan_store.py)."""
     capacity = options.seq + 1
     if (options.packing or ("bfd" if split.masked else "wrapped")) == "wrapped":
         if not split.masked:  # every window of text holds targets
-            return WrappedWindows(split, options.seq, options.boundaries, options.pad_id), ""
+            return WrappedWindows(split, options.seq, options.boundaries, options.pad_id), "", 0
         name = f"{split.split}.wrapped-{capacity}" + ("-boundaries" if options.boundaries else "")
         plan = planned(split.folder / name, lambda: trained_windows(split, options.seq, options.boundaries))
         windows = WrappedWindows(split, options.seq, options.boundaries, options.pad_id,
                                  plan.arrays if plan.facts["untrained"] else None)
-        return windows, f" ({plan.facts['untrained']:,} dropped with no target in them{_held(plan)})"
+        return windows, f" ({plan.facts['untrained']:,} dropped with no target in them{_held(plan)})", \
+            plan.facts["untrained"]
 
     def make() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         starts, stops = kept_spans(split.offsets, capacity, options.truncation_mode)
@@ -104,7 +106,7 @@ def _windows(split: TokenSplit, options: WindowOptions) -> tuple[Dataset, str]:
             f"({stats.fill:.1%} filled; {stats.truncated:,} truncated, {stats.dropped:,} dropped as longer than "
             f"{capacity} tokens, {stats.untrained:,} dropped with no target in the part a window keeps{_held(plan)})")
     return PackedWindows(split, PackPlan(plan.arrays, capacity, options.truncation_mode), options.seq,
-                         options.pad_id), note
+                         options.pad_id), note, stats.untrained
 
 
 def text_datasets(train_specs: tuple[str, ...], eval_specs: tuple[str, ...], tokenizer: Any, tokenizer_dir: Path,
@@ -122,11 +124,12 @@ def text_datasets(train_specs: tuple[str, ...], eval_specs: tuple[str, ...], tok
     for spec, source in zip(train_specs, sources):
         train, held = open_or_build(source, tokenizer, tokenizer_dir, fmt, test_size if not eval_specs else 0.0,
                                     cache_root)
-        keys.append([train.folder.name, source.weight])
         for split in (train, held):
             if split is not None:
                 check_vocabulary(split, vocab_size, model, source.flag)
-        windows, note = _windows(train, options)
+        windows, note, untrained = _windows(train, options)
+        # Windows with no target were once kept: a checkpoint of that time trained on another list.
+        keys.append([train.folder.name, source.weight, *(["untrained dropped"] if untrained else [])])
         _say(f"{spec}: {train.documents:,} documents, {train.tokens:,} tokens -> {len(windows):,} windows of "  # type: ignore[arg-type]  # map-style
              f"{options.seq + 1} tokens{note}")
         if len(windows) == 0:  # type: ignore[arg-type]  # map-style
