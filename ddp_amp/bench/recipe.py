@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_amp.amp import Precision
 from ddp_amp.amp.float8 import convert_linears
 from ddp_amp.tasks.mlp import make_model
+from ddp_amp.torch_api import fully_shard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -64,7 +65,8 @@ def sync(device: torch.device) -> None:
 
 
 class HandLoop:
-    """The recipe's loop under DDP, as users write it: the baseline ddp_amp is compared with.
+    """The recipe's loop under DDP (or FSDP2: `shard`), as users write it: the baseline ddp_amp is
+    compared with.
 
     `compile_model` compiles the model before DDP wraps it, the order torch's DDP and
     compile tutorials show; fp8 converts the linear layers first, as torchao's does.
@@ -74,7 +76,7 @@ class HandLoop:
                  lr: float = 1e-3, fused: bool | None = None, set_to_none: bool = True,
                  bucket_view: bool = False, static_graph: bool = False,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.mse_loss,
-                 optimizer: str = "sgd", compile_model: bool = False) -> None:
+                 optimizer: str = "sgd", compile_model: bool = False, shard: bool = False) -> None:
         self.device, self.precision, self.set_to_none, self.loss_fn = device, precision, set_to_none, loss_fn
         if precision.float8_linears:
             model = convert_linears(model, emulate=precision.emulate_fp8)
@@ -83,7 +85,11 @@ class HandLoop:
             if not isinstance(compiled, nn.Module):  # an OptimizedModule; the stubs say only "a callable"
                 raise TypeError(f"torch.compile of a module gave a {type(compiled).__name__}")
             model = compiled
-        if distributed:
+        if shard:  # FSDP2 as its tutorial writes it: each block with parameters, then the root
+            for block in [child for child in model.children() if any(True for _ in child.parameters())]:
+                fully_shard(block)
+            fully_shard(model)
+        elif distributed:
             device_ids = [device.index] if device.type == "cuda" else None
             model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=bucket_view,
                         static_graph=static_graph)

@@ -38,7 +38,8 @@ def host_table(section: dict[str, Any]) -> str:
     title = (f"Host time per step: Trainer and Session loop / hand-written AMP loop on {size['layers']} x "
              f"Linear({size['width']},{size['width']}), batch {size['batch']} (compute negligible), 1 thread, "
              f"{section['blocks']} interleaved blocks x {section['steps_per_block']} steps")
-    rows = [[row["loop"], row["precision"], f"group of {row['ranks']} (DDP)" if row["ddp"] else "none",
+    rows = [[row["loop"], row["precision"], row.get("variant") or (f"group of {row['ranks']} (DDP)" if row["ddp"]
+                                                                   else "none"),
              row["step_us"]["hand"], row["step_us"][row["loop"]], row["extra_us"],
              ratio_text(row["over_hand"]), row["target"], {True: "yes", False: "NO", None: "n/a"}[row["meets_target"]]]
             for row in section["rows"]]
