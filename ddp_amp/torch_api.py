@@ -65,11 +65,13 @@ from ddp_amp.errors import UsageError
 __all__ = [
     "COMPILER_STANCE", "DCP_PICKLED_GLOBALS", "DOCUMENT_MASKS", "FEATURES", "FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST",
     "GRAD_SCALER_INTERNALS", "HSDP_OVER_GLOO", "NEWER_TORCHRUN_OPTIONS", "SAC_IGNORED_OPS", "SELECTIVE_RECOMPUTE",
-    "SHARDING", "SUPPORTED", "TORCH_RELEASE", "AsyncSaveResponse", "CPUOffloadPolicy", "CheckpointPolicy", "DTensor",
-    "FSDPModule", "Feature", "MixedPrecisionPolicy", "OffloadPolicy", "Replicate", "TorchDispatchMode",
+    "SHARDING", "SUPPORTED", "TENSOR_PARALLEL", "TORCH_RELEASE", "AsyncSaveResponse", "CPUOffloadPolicy",
+    "CheckpointPolicy", "ColwiseParallel", "DTensor", "FSDPModule", "Feature", "MixedPrecisionPolicy",
+    "OffloadPolicy", "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "TorchDispatchMode",
     "compiled_eagerly", "compiled_graphs", "composable_checkpoint", "compute_local_shape_and_global_offset",
     "cpu_has_native_bf16", "create_selective_checkpoint_contexts", "dcp_metadata_path", "disabled_torch_function_impl",
-    "dump_memory_snapshot", "fully_shard", "make_wrapper_subclass", "profiler_keeps_events", "record_memory_history",
+    "dump_memory_snapshot", "fully_shard", "loss_parallel", "make_wrapper_subclass", "parallelize_module",
+    "profiler_keeps_events", "record_memory_history",
     "release", "safe_globals", "set_transformer_fastpath", "torchrun_knows", "tree_flatten", "tree_map",
 ]
 
@@ -152,7 +154,16 @@ COMPILER_STANCE = Feature("running compiled code eagerly for a while", (2, 6), (
 compiled code runs eagerly inside `torch.compiler.set_stance("force_eager")` and compiles
 on its next call. Without it (2.4, 2.5) a compiled run's FLOPs are not counted."""
 
-FEATURES = (SHARDING, SELECTIVE_RECOMPUTE, HSDP_OVER_GLOO, DOCUMENT_MASKS, COMPILER_STANCE)
+TENSOR_PARALLEL = Feature("tensor parallelism", (2, 13), (
+    "torch.distributed.tensor.parallel.parallelize_module", "torch.distributed.tensor.parallel.ColwiseParallel",
+    "torch.distributed.tensor.parallel.RowwiseParallel", "torch.distributed.tensor.parallel.SequenceParallel",
+    "torch.distributed.tensor.parallel.loss_parallel", "torch.distributed.tensor.Shard"))
+"""`--tensor-parallel` and `Session(tensor_parallel=)`: the DTensor parallel styles, their
+`src_data_rank`, loss parallel, composed with FSDP2 on a 2-d or 3-d mesh (HSDP over gloo
+where the data-parallel ranks replicate). Found to run, exact against one rank, on 2.13; the
+releases before it were not tried."""
+
+FEATURES = (SHARDING, SELECTIVE_RECOMPUTE, HSDP_OVER_GLOO, DOCUMENT_MASKS, COMPILER_STANCE, TENSOR_PARALLEL)
 
 FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST = TORCH_RELEASE < (2, 6)
 """Whether torch's fused inference path of `nn.TransformerEncoderLayer` (its "fast path",
@@ -193,6 +204,19 @@ else:
     Replicate = _missing(SHARDING, "torch.distributed.tensor.Replicate")
     compute_local_shape_and_global_offset = _missing(SHARDING, "torch.distributed.tensor._utils."
                                                      "compute_local_shape_and_global_offset")
+
+# --- tensor parallelism (public from torch 2.3; found to run on 2.13) ---
+if TYPE_CHECKING or TENSOR_PARALLEL.available():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   loss_parallel, parallelize_module)
+else:
+    Shard = _missing(TENSOR_PARALLEL, "torch.distributed.tensor.Shard")
+    ColwiseParallel = _missing(TENSOR_PARALLEL, "torch.distributed.tensor.parallel.ColwiseParallel")
+    RowwiseParallel = _missing(TENSOR_PARALLEL, "torch.distributed.tensor.parallel.RowwiseParallel")
+    SequenceParallel = _missing(TENSOR_PARALLEL, "torch.distributed.tensor.parallel.SequenceParallel")
+    loss_parallel = _missing(TENSOR_PARALLEL, "torch.distributed.tensor.parallel.loss_parallel")
+    parallelize_module = _missing(TENSOR_PARALLEL, "torch.distributed.tensor.parallel.parallelize_module")
 
 # --- selective activation checkpointing, public from torch 2.5 ---
 if TYPE_CHECKING or SELECTIVE_RECOMPUTE.available():

@@ -13,6 +13,7 @@ from ddp_amp.distributed import DistContext
 from ddp_amp.metrics import QuietRunLog
 from ddp_amp.session import Session
 from ddp_amp.tasks import load_task
+from ddp_amp.torch_api import DTensor
 from ddp_amp.trainer import Trainer, seed_everything, session_for
 
 TASK = "tests.plugins.ckpt_task:make_task"
@@ -63,6 +64,14 @@ def snapshot(trainer: Trainer) -> dict[str, Any]:
         "data": trainer.stream.state_dict(),
         "torch_rng": torch.get_rng_state(),
     }
+
+
+def whole_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The user's module's state with every split or sharded tensor whole, on every rank
+    (collective where the model is sharded: DTensors are gathered)."""
+    state = Session.unwrap(model).state_dict()
+    return {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+            for name, value in state.items()}
 
 
 def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:

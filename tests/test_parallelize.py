@@ -13,7 +13,7 @@ from ddp_amp.amp import AutocastModule, resolve_precision
 from ddp_amp.distributed import DistContext
 from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
-from ddp_amp.parallel import ParallelPlan, parallelize
+from ddp_amp.parallel import ParallelPlan, TensorParallelPlan, parallelize
 from ddp_amp.torch_api import DTensor, FSDPModule
 from tests.multiproc import run_ranks
 from tests.torch_features import needs_sharding
@@ -40,13 +40,11 @@ def test_a_world_of_one_gets_the_autocast_wrapper_around_the_users_module() -> N
     assert made.description == "replicated" and made.units == ()
 
 
-@pytest.mark.parametrize("asked", [{"tensor_parallel": {"blocks.0": "colwise"}}])
-@needs_sharding
-def test_a_plan_asking_for_what_is_not_implemented_is_refused_in_one_line(asked: dict[str, Any]) -> None:
+def test_a_split_model_that_fsdp_does_not_spread_is_refused_in_one_line() -> None:
     with pytest.raises(UsageError) as raised:
-        ParallelPlan(shard=True, **asked)
+        ParallelPlan(tensor_parallel=TensorParallelPlan({"blocks.0": "colwise"}))
     message = str(raised.value)
-    assert next(iter(asked)) in message and "not implemented" in message and "\n" not in message
+    assert "ParallelPlan.tensor_parallel" in message and "shard=True" in message and "\n" not in message
 
 
 def test_replicas_of_a_model_that_is_not_sharded_are_refused_in_one_line() -> None:

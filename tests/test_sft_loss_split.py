@@ -17,10 +17,9 @@ import pytest
 import torch
 
 from ddp_amp.distributed import DistContext
-from ddp_amp.session import Session
-from ddp_amp.torch_api import SHARDING, DTensor
+from ddp_amp.torch_api import SHARDING
 from tests.multiproc import run_ranks
-from tests.resume_harness import build_trainer, config
+from tests.resume_harness import build_trainer, config, whole_state
 from tests.text_model import conversations, make_model_dir, write_jsonl
 
 GLOBAL_BATCH, SEQ, LR = 16, 96, 0.5
@@ -36,13 +35,6 @@ def sft(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "chat": write_jsonl(folder / "chat.jsonl", conversations(120)), "cache": folder / "cache"}
 
 
-def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole weights on every rank (collective where sharded)."""
-    state = Session.unwrap(model).state_dict()
-    return {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
-            for name, value in state.items()}
-
-
 def _one_step(ctx: DistContext, sft: dict[str, Path], root: Path, shard_modes: tuple[bool, ...]) -> dict[str, Any]:
     """Collective: one optimizer step for each split of this world size, replicated and sharded."""
     results: dict[str, Any] = {}
@@ -53,9 +45,9 @@ def _one_step(ctx: DistContext, sft: dict[str, Path], root: Path, shard_modes: t
                          data=(str(sft["chat"]),), data_cache=str(sft["cache"]), batch_size=GLOBAL_BATCH,
                          grad_accum=accum, optimizer="sgd", lr=LR, max_steps=1, shard=shard, eval_every=0)
             trainer = build_trainer(cfg, ctx, root / f"{ranks}x{accum}-{shard}")
-            before = _state(trainer.model)
+            before = whole_state(trainer.model)
             loss = trainer._mean_across_ranks(trainer.train_step())  # what the log records
-            after = _state(trainer.model)
+            after = whole_state(trainer.model)
             results[f"{ranks}x{accum}" + (" sharded" if shard else "")] = {
                 "update": {name: after[name] - before[name] for name in before}, "loss": loss}
     return results

@@ -107,7 +107,10 @@ def _by_sharding(grads: list[DTensor]) -> list[tuple[DeviceMesh, tuple[int, ...]
         if any(placement.is_partial() for placement in grad.placements):
             grad = grad.redistribute(grad.device_mesh, [Replicate() if placement.is_partial() else placement
                                                         for placement in grad.placements])
-        dims = tuple(dim for dim, placement in enumerate(grad.placements) if placement.is_shard())
+        # Sharded in any form: FSDP2 over a tensor-parallel split is a _StridedShard, whose
+        # is_shard() is False (torch 2.13), though each rank holds its own part all the same.
+        dims = tuple(dim for dim, placement in enumerate(grad.placements)
+                     if not (placement.is_replicate() or placement.is_partial()))
         groups.setdefault((id(grad.device_mesh), dims), (grad.device_mesh, dims, []))[2].append(grad)
     return list(groups.values())
 
@@ -119,12 +122,21 @@ def clip_grads(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     Plain gradients go through torch's own `clip_grad_norm_`, so a loop over the same
     parameters in the same order clips bitwise as a hand-written PyTorch loop does.
     Sharded ones need a norm that does not depend on the split (`sharded_grad_norm`);
-    the scaling itself is torch's, from that norm.
+    the scaling is torch's coefficient from that norm, multiplied into each rank's part of
+    every gradient (a split model's gradients live on meshes of different dimensions, the
+    split ones' and the rest's, which one multiply over DTensors refuses to mix).
     """
     if not any(isinstance(p.grad, DTensor) for p in params):
         return nn.utils.clip_grad_norm_(params, max_norm)
-    total = sharded_grad_norm([p.grad for p in params if p.grad is not None])
-    nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    grads = [p.grad for p in params if p.grad is not None]
+    total = sharded_grad_norm(grads)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch's clip_grads_with_norm_
+    parts: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        part = grad.to_local() if isinstance(grad, DTensor) else grad
+        parts.setdefault((part.device, part.dtype), []).append(part)
+    for (device, _), same in parts.items():
+        torch._foreach_mul_(same, coefficient.to(device))
     return total
 
 

@@ -28,12 +28,13 @@ class DataOptions(ComponentOptions):
                              "tokenizer; every rank must see it); default $DDP_AMP_DATA_CACHE, else "
                              "~/.cache/ddp_amp/data", resume="free")
 
-    def micro_batch_size(self, world_size: int) -> int:
-        """Per-rank batch of one micro-step; raises if the global batch does not divide."""
+    def micro_batch_size(self, world_size: int, ranks: str = "world size") -> int:
+        """Per-rank batch of one micro-step over `world_size` data-parallel ranks (`ranks`: what
+        the refusal calls them); raises if the global batch does not divide."""
         parts = world_size * self.grad_accum
         if self.batch_size % parts:
             raise UsageError("--batch-size", self.batch_size,
-                             f"a multiple of world size x --grad-accum = {world_size} x "
+                             f"a multiple of {ranks} x --grad-accum = {world_size} x "
                              f"{self.grad_accum} = {parts}",
                              f"try --batch-size {max(parts, self.batch_size // parts * parts)}")
         return self.batch_size // parts

@@ -48,8 +48,8 @@ class DistContext:
     # rank's watch thread for its heartbeat (liveness.py); the loop sets plain attributes.
     progress: Progress = field(default_factory=Progress, compare=False, repr=False)
     # The ranks laid out by what they do: one data-parallel dimension ("dp"), or replicas of
-    # a sharded model, ("dp_replicate", "dp_shard") for HSDP; a tensor-parallel dimension
-    # would be one more name. None without a group.
+    # a sharded model, ("dp_replicate", "dp_shard") for HSDP; then "tp", innermost, where
+    # matmuls are split (build_mesh). None without a group.
     mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     # How often the ranks beat and how long one may be silent: the same on every rank.
     liveness: Liveness = field(default_factory=Liveness, compare=False)
@@ -77,6 +77,12 @@ class DistContext:
     @property
     def world_size(self) -> int:
         return self.env.world_size
+
+    @property
+    def tp_size(self) -> int:
+        """How many ranks split each matmul (the mesh's `tp` dimension; 1 without one)."""
+        names = (self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
+        return self.mesh.size(names.index("tp")) if self.mesh is not None and "tp" in names else 1
 
     @property
     def is_main(self) -> bool:
@@ -109,24 +115,54 @@ def _dp_rank(mesh: DeviceMesh) -> int:
     return rank
 
 
-def build_mesh(device: torch.device, world_size: int, replicate: int = 1) -> DeviceMesh:
-    """The device mesh over the group just joined (collective): one data-parallel
-    dimension spanning every rank, which reuses the default group (no new one is formed);
-    or, for `replicate` > 1, `replicate` rows of world_size / replicate ranks each, so that
-    FSDP2 shards within a row and all-reduces across rows (HSDP). That forms a group per
-    row and per column, on every rank together."""
-    check_replicate(replicate, world_size)
+def build_mesh(device: torch.device, world_size: int, replicate: int = 1, tensor_parallel: int = 1) -> DeviceMesh:
+    """The device mesh over the group just joined (collective), outermost dimension first:
+
+    - one data-parallel dimension `dp` spanning every rank, which reuses the default group
+      (no new one is formed);
+    - for `replicate` > 1, `replicate` rows of ranks, `dp_replicate` x `dp_shard`, so that
+      FSDP2 shards within a row and all-reduces across rows (HSDP);
+    - for `tensor_parallel` T > 1, a `tp` dimension of T innermost (T consecutive ranks, a
+      node's: its all-reduces stay on the fast links) beside the data-parallel ones, which
+      then span world size / T ranks.
+
+    Beyond the first layout it forms a group per row and per column, on every rank together."""
+    data = world_size // tensor_parallel
+    check_replicate(replicate, data, "the data-parallel ranks" if tensor_parallel > 1 else "the world size")
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
     if replicate == 1:
-        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
-    return init_device_mesh(device.type, (replicate, world_size // replicate),
-                            mesh_dim_names=("dp_replicate", "dp_shard"))
+        shape, names = (data,), ("dp",)
+    else:
+        shape, names = (replicate, data // replicate), ("dp_replicate", "dp_shard")
+    if tensor_parallel > 1:
+        shape, names = (*shape, tensor_parallel), (*names, "tp")
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
-def check_replicate(replicate: int, world_size: int) -> None:
-    """A replicate degree the world can be laid out in: rows of equal size."""
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel dimensions of `mesh` (what FSDP2 shards and replicates over)."""
+    names = tuple(_dp_dims(mesh))
+    if names == tuple(mesh.mesh_dim_names or ()):
+        return mesh
+    return mesh[names]
+
+
+def check_tensor_parallel(degree: int, env: DistEnv, flag: str = "--tensor-parallel") -> None:
+    """A tensor-parallel degree the ranks can be laid out in: it divides the ranks of a node
+    (its all-reduces, one per matmul pair, stay inside the node) and so the world."""
+    if degree < 1 or env.local_world_size % degree or env.world_size % degree:
+        divisors = [str(d) for d in range(1, env.local_world_size + 1) if env.local_world_size % d == 0]
+        raise UsageError(flag, degree, f"a divisor of the ranks on a node ({env.local_world_size}) and of the "
+                         f"world size ({env.world_size})", f"one of {', '.join(divisors)}: tensor parallelism "
+                         "stays inside a node, where the links are fast")
+
+
+def check_replicate(replicate: int, world_size: int, what: str = "the world size") -> None:
+    """A replicate degree the world (`world_size` ranks: `what`) can be laid out in: rows of equal size."""
     if replicate < 1 or world_size % replicate:
         divisors = [str(d) for d in range(1, world_size + 1) if world_size % d == 0]
-        raise UsageError("--replicate", replicate, f"a divisor of the world size {world_size}",
+        raise UsageError("--replicate", replicate, f"a divisor of {what} {world_size}",
                          f"one of {', '.join(divisors)}: each replica shards the model over "
                          "world size / replicate ranks")
 
@@ -170,10 +206,12 @@ def _late(env: DistEnv, timeout: timedelta, error: Exception) -> UsageError:
 def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: BackendChoice = "auto",
                      timeout_s: float = 600.0, group_of_one: bool = False,
                      liveness: Liveness | None = None, replicate: int = 1,
-                     host_collectives: bool = False) -> DistContext:
+                     host_collectives: bool = False, tensor_parallel: int = 1) -> DistContext:
     """Choose the device and join the process group (collective); each rank's heartbeat
     starts with it, at `liveness`'s poll (the defaults where None). `replicate` > 1 lays
     the ranks out as replicas of a sharded model (`build_mesh`); it must divide the world.
+    `tensor_parallel` > 1 adds a `tp` dimension of that size innermost; it must divide the ranks
+    of a node, and `replicate` then divides the data-parallel ranks (world size / it).
 
     A world of one joins none, unless a backend is named or `group_of_one` asks for one (a
     sharded model needs a group): then it forms a group of one, so that the DDP or FSDP path
@@ -186,7 +224,10 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
     global _OUR_GROUP
     liveness = liveness if liveness is not None else Liveness()
     liveness.check()
-    check_replicate(replicate, env.world_size)  # before a group or a file exists
+    # before a group or a file exists
+    check_tensor_parallel(tensor_parallel, env)
+    check_replicate(replicate, env.world_size // tensor_parallel,
+                    "the data-parallel ranks" if tensor_parallel > 1 else "the world size")
     torch_device = resolve_device(device, env, backend)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
@@ -198,7 +239,7 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
         # progress); torch's default store wraps ours in a prefix of its own.
         store, progress = _OUR_GROUP if _OUR_GROUP is not None else (_default_store(), Progress())
         return DistContext(env, torch_device, dist.get_backend(), store, progress,
-                           mesh=build_mesh(torch_device, dist.get_world_size(), replicate),
+                           mesh=build_mesh(torch_device, dist.get_world_size(), replicate, tensor_parallel),
                            liveness=liveness)
     timeout = timedelta(seconds=timeout_s)
     # A rank that never arrives makes every other rank's store call fail, and c10d print a
@@ -223,7 +264,8 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
     # The group is formed on our own store first (a per-attempt prefix, above); the mesh
     # then lays the ranks out on it.
     return DistContext(env, torch_device, chosen, store if env.is_distributed else None, progress,
-                       mesh=build_mesh(torch_device, env.world_size, replicate), liveness=liveness)
+                       mesh=build_mesh(torch_device, env.world_size, replicate, tensor_parallel),
+                       liveness=liveness)
 
 
 # The store (None for a group of one) and progress of the group init_distributed formed,

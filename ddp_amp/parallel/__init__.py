@@ -9,6 +9,8 @@
   (what a parameter holds meanwhile: `shard_rows`; its random fills: `row_draws`; their
   memory: `host_pages`);
 - `fsdp`: sharding a model's units and root with FSDP2 (`--shard`), and what units are;
+- `tensor_parallel`: splitting a model's matmuls over the mesh's `tp` dimension by a plan
+  (`--tensor-parallel`), with sequence and loss parallel;
 - `options`: `ParallelOptions`, the run's choices among them (flags).
 
 Imports `amp`, `distributed` and `errors` from ddp_amp; the session builds on it.
@@ -23,9 +25,11 @@ from ddp_amp.parallel.parallelize import Parallelized, parallelize
 from ddp_amp.parallel.options import check_gather_dtype
 from ddp_amp.parallel.plan import ParallelPlan, ShardOptions
 from ddp_amp.parallel.shard_rows import ShardSlot, shard_slot
+from ddp_amp.parallel.tensor_parallel import STYLES, TensorParallelPlan, check_plan
 
 __all__ = [
-    "CommHook", "ParallelPlan", "Parallelized", "ShardOptions", "ShardSlot", "Units", "build_sharded", "build_whole",
-    "check_gather_dtype", "comm_hook", "default_units", "describe_units", "fused_kernel_takes", "is_built_sharded",
-    "meta_model", "parallelize", "release_ddp", "shard_model", "shard_slot", "shard_units", "wrap_ddp",
+    "STYLES", "CommHook", "ParallelPlan", "Parallelized", "ShardOptions", "ShardSlot", "TensorParallelPlan", "Units",
+    "build_sharded", "build_whole", "check_gather_dtype", "check_plan", "comm_hook", "default_units",
+    "describe_units", "fused_kernel_takes", "is_built_sharded", "meta_model", "parallelize", "release_ddp",
+    "shard_model", "shard_slot", "shard_units", "wrap_ddp",
 ]

@@ -37,6 +37,12 @@ class ParallelOptions(ComponentOptions):
     cpu_offload: bool = option(False, "with --shard, CUDA only: keep parameters, gradients and optimizer "
                                "state on the host (FSDP2's CPUOffloadPolicy); the optimizer steps on the "
                                "CPU, so much slower, for models whose shards do not fit the GPU")
+    # --- tensor parallelism: splitting each block's matmuls inside a node ---
+    tensor_parallel: int = option(1, "split each block's matmuls over N ranks of a node (tensor parallel, with "
+                                  "sequence and loss parallel), the innermost dimension of the mesh: replicate x "
+                                  "shard x tensor parallel; the data-parallel ranks are world size / N. N must "
+                                  "divide the ranks per node; the plan is the model's own (transformers) or "
+                                  "Task.tensor_parallel_plan", limits=(1, INT_LIMIT))
     # --- performance fast paths (measured by python -m ddp_amp.bench) ---
     compile: bool = option(False, "torch.compile the model (inside the autocast wrapper, under DDP; with "
                            "--shard each unit's forward, the root's own layers stay eager) and the loss; "
@@ -51,6 +57,9 @@ class ParallelOptions(ComponentOptions):
     def check(self) -> None:
         """Choices, and the options that belong to one of DDP and FSDP2 only."""
         check_fields(self, ParallelOptions)
+        if self.tensor_parallel > 1 and self.static_graph:
+            raise UsageError(flag_of("static_graph"), True, "an option that works with --tensor-parallel",
+                             f"{flag_of('static_graph')} is DDP's; a split model is spread by FSDP2: drop it")
         if self.shard:
             if self.static_graph:
                 raise UsageError(flag_of("static_graph"), True, "an option that works with --shard",

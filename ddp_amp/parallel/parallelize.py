@@ -2,6 +2,7 @@
 
     replicated:  DDP(AutocastModule(torch.compile(float8(model))))   (no DDP for a world of one)
     sharded:     AutocastModule(fully_shard(units of float8(model), each checkpointed, then compiled))
+    tensor parallel: AutocastModule(fully_shard(units of split(model), each checkpointed, then compiled))
 
 The order, and why:
 1. to the device first, so every later step (and DDP's weight broadcast) sees the final
@@ -12,6 +13,9 @@ The order, and why:
    converted modules;
 3. the units are found once, on the converted model, and both sharding and the
    description use that one list (described before sharding renames their classes);
+   then tensor parallelism splits the units' matmuls over the mesh's `tp` dimension
+   (torchtitan's order: the split model is what is checkpointed, compiled and then
+   sharded over the data-parallel dimensions, each parameter a 2-d DTensor);
 4. activation checkpointing per unit (full or selective, `recompute`) before sharding
    (torchtitan's order too): the composable form keeps parameter names, so the sharded
    state's names stay the model's;
@@ -34,18 +38,17 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-
 from ddp_amp.amp.autocast import AutocastModule
 from ddp_amp.amp.float8 import convert_linears
 from ddp_amp.amp.precision import Precision
-from ddp_amp.distributed import DistContext
+from ddp_amp.distributed import DistContext, data_mesh
 from ddp_amp.errors import UsageError
 from ddp_amp.parallel.ddp import comm_hook, wrap_ddp
 from ddp_amp.parallel.fsdp import describe_units, shard_model, shard_units
 from ddp_amp.parallel.meta_init import is_built_sharded, materialize
 from ddp_amp.parallel.plan import ParallelPlan
 from ddp_amp.parallel.recompute import checkpoint_units
+from ddp_amp.parallel.tensor_parallel import apply_tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, precision: Precision, ctx:
     """Apply `plan` to `model` on this rank (collective where there is a group: DDP's
     weight broadcast, or the ranks agreeing on the sharded layout)."""
     if plan.shard:
-        _check_mesh(plan, ctx.mesh)
+        _check_mesh(plan, ctx)
     if plan.cpu_offload and ctx.device.type != "cuda":
         # Offloading moves shards from a GPU to the host: on a CPU run there is nothing to free.
         raise UsageError("--cpu-offload", True, "a CUDA device (it keeps a GPU run's shards on the host)",
@@ -82,13 +85,15 @@ def parallelize(model: nn.Module, plan: ParallelPlan, precision: Precision, ctx:
     units = shard_units(inner, plan.units) if plan.shard else []
     # Described now: sharding changes each unit's class (FSDPLinear for a Linear).
     description = _sharded_description(plan, units, ctx) if plan.shard else "replicated"
+    if plan.tensor_parallel is not None:
+        inner = apply_tensor_parallel(inner, plan.tensor_parallel, ctx.mesh["tp"], units)  # type: ignore[index]  # checked: a tp mesh
     checkpoint_units(units, str(plan.activation_checkpointing))
     if plan.compile and plan.shard:
         _compile_each(units)
     elif plan.compile:
         inner = torch.compile(inner)  # type: ignore[assignment]  # of a module: an OptimizedModule
     if plan.shard:
-        inner = shard_model(inner, units, mesh=ctx.mesh, reshard_after_forward=plan.reshard_after_forward,
+        inner = shard_model(inner, units, mesh=data_mesh(ctx.mesh), reshard_after_forward=plan.reshard_after_forward,  # type: ignore[arg-type]  # checked: a mesh
                             reduce_dtype=plan.reduce_dtype, param_dtype=plan.gather_dtype,
                             cpu_offload=plan.cpu_offload)
         if built_sharded:
@@ -133,25 +138,51 @@ def _sharded_description(plan: ParallelPlan, units: list[nn.Module], ctx: DistCo
                                     (plan.param_dtype != "fp32", f"parameters gathered in {plan.param_dtype}"),
                                     (plan.cpu_offload, "offloaded to the host"))
               if on]
-    return (f"sharded{_replicas(plan, ctx)}: {describe_units(units)} and the model as the root"
+    split = _split(plan, ctx)
+    if split and _shard_degree(plan, ctx) == 1:
+        spread = f"{split}, replicated over {ctx.dp_size} rank{'s' if ctx.dp_size != 1 else ''}"
+    else:
+        spread = f"{split + ', ' if split else ''}sharded{_replicas(plan, ctx)}"
+    return (f"{spread}: {describe_units(units)} and the model as the root"
             + (f" ({', '.join(extras)})" if extras else ""))
+
+
+def _split(plan: ParallelPlan, ctx: DistContext) -> str:
+    """'tensor parallel over 2 ranks (sequence parallel, loss parallel)', or nothing."""
+    tensor = plan.tensor_parallel
+    if tensor is None:
+        return ""
+    kinds = [text for on, text in ((tensor.sequence_parallel, "sequence parallel"),
+                                   ("head" in tensor.styles.values(), "loss parallel")) if on]
+    return f"tensor parallel over {ctx.tp_size} ranks" + (f" ({', '.join(kinds)})" if kinds else "")
+
+
+def _shard_degree(plan: ParallelPlan, ctx: DistContext) -> int:
+    """Over how many ranks each replica of the model is sharded."""
+    return ctx.dp_size // plan.replicate
 
 
 def _replicas(plan: ParallelPlan, ctx: DistContext) -> str:
     """' over 2 ranks, replicated 2 times' under HSDP; nothing where every rank holds one shard."""
     if plan.replicate == 1:
         return ""
-    ranks = ctx.world_size // plan.replicate
+    ranks = _shard_degree(plan, ctx)
     return f" over {ranks} rank{'s' if ranks != 1 else ''}, replicated {plan.replicate} times"
 
 
-def _check_mesh(plan: ParallelPlan, mesh: DeviceMesh | None) -> None:
-    """A sharded plan needs a mesh, whose rows are the plan's replicas: the session laid it
-    out for them before any model existed."""
+def _check_mesh(plan: ParallelPlan, ctx: DistContext) -> None:
+    """A sharded plan needs a mesh, whose rows are the plan's replicas, and a `tp` dimension
+    exactly where the plan splits the model: the session laid it out before any model existed."""
+    mesh = ctx.mesh
     if mesh is None:
         raise UsageError("ParallelPlan.shard", True, "a process group with a device mesh",
                          "start the session with shard=ShardOptions(): it forms a group even for one rank")
-    rows = mesh.size(0) if mesh.ndim == 2 else 1
+    names = mesh.mesh_dim_names or ()
+    rows = mesh.size(names.index("dp_replicate")) if "dp_replicate" in names else 1
     if rows != plan.replicate:
         raise UsageError("ParallelPlan.replicate", plan.replicate, f"the replicas of the session's mesh ({rows})",
                          "set ShardOptions(replicate=...) on the Session: it lays the ranks out before any model")
+    if (plan.tensor_parallel is not None) != (ctx.tp_size > 1):
+        raise UsageError("ParallelPlan.tensor_parallel", plan.tensor_parallel is not None,
+                         f"a plan exactly where the session's mesh has a tp dimension (its size: {ctx.tp_size})",
+                         "start the session with tensor_parallel=N, and set the model up with its plan")

@@ -4,8 +4,8 @@ A plan is built once per model (by `Session.setup`, from its arguments and the s
 `ShardOptions`) and refuses a combination that cannot run when it is made, in one line
 naming the value and the fix, before anything has touched the model or the ranks.
 `replicate` > 1 shards within each of that many replicas (HSDP, on the session's
-replicate x shard mesh); `tensor_parallel` holds the place of what comes next (a
-tensor-parallel dimension) and is refused while not implemented.
+replicate x shard mesh); `tensor_parallel`, a plan of the model's modules, splits its
+matmuls over the mesh's `tp` dimension, inside the data-parallel ones (tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from ddp_amp.errors import UsageError
 from ddp_amp.option_values import TextKind
 from ddp_amp.parallel.fsdp import Units
+from ddp_amp.parallel.tensor_parallel import TensorParallelPlan
 from ddp_amp.torch_api import SELECTIVE_RECOMPUTE, SHARDING
 
 # --grad-comm-dtype: the dtype gradients cross the wire in (None: fp32, DDP's own all-reduce).
@@ -121,8 +122,9 @@ class ParallelPlan:
     replicate: int = 1
     """Sharded: replicas of the sharded model (HSDP, over the session's replicate x shard
     mesh); 1 shards over every rank."""
-    tensor_parallel: Mapping[str, Any] | None = None
-    """A tensor-parallel plan (module name -> style); not implemented, None."""
+    tensor_parallel: TensorParallelPlan | None = None
+    """Sharded: split the model's matmuls over the mesh's `tp` dimension as this plan says,
+    before FSDP2 spreads it over the data-parallel ones; None: no tensor parallelism."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "activation_checkpointing",
@@ -130,9 +132,10 @@ class ParallelPlan:
         if self.replicate != 1 and not self.shard:
             raise UsageError("ParallelPlan.replicate", self.replicate, "1 for a replicated model",
                              "replicas of a sharded model need shard=True (--shard); DDP replicates on every rank")
-        if self.tensor_parallel is not None:
-            raise UsageError("ParallelPlan.tensor_parallel", "a plan", "None (tensor parallelism is not implemented "
-                             "yet)", "leave tensor_parallel=None: replicate or shard the model instead")
+        if self.tensor_parallel is not None and not self.shard:
+            raise UsageError("ParallelPlan.tensor_parallel", self.tensor_parallel.source, "shard=True with it (FSDP2 "
+                             "spreads a split model over the data-parallel ranks)",
+                             "start the session with tensor_parallel=N: it sets that up")
         if self.grad_comm_dtype not in COMM_DTYPES:
             raise UsageError("--grad-comm-dtype", self.grad_comm_dtype, "one of " + ", ".join(COMM_DTYPES), "")
         if self.param_dtype not in PARAM_DTYPES:

@@ -48,9 +48,9 @@ class ShardSlot:
 
 def shard_slot(mesh: DeviceMesh) -> ShardSlot:
     """This rank's slot on the mesh's sharding dimension (replicas of HSDP share a slot)."""
-    if mesh.ndim == 1:
-        return ShardSlot(mesh.size(), mesh.get_local_rank())
-    return ShardSlot(mesh.size(1), mesh.get_local_rank(1))
+    names = mesh.mesh_dim_names or ()
+    dim = names.index("dp_shard") if "dp_shard" in names else names.index("dp") if "dp" in names else 0
+    return ShardSlot(mesh.size(dim), mesh.get_local_rank(dim))
 
 
 class SlotBuild:

@@ -13,16 +13,19 @@ from collections.abc import Mapping
 import torch
 
 from ddp_amp.amp import Precision, resolve_precision
-from ddp_amp.distributed import DeviceChoice, resolve_backend, resolve_device
+from ddp_amp.distributed import DeviceChoice, check_tensor_parallel, resolve_backend, resolve_device
 from ddp_amp.env import DistEnv
+from ddp_amp.errors import UsageError
 from ddp_amp.parallel import ShardOptions, check_gather_dtype
-from ddp_amp.torch_api import HSDP_OVER_GLOO
+from ddp_amp.torch_api import HSDP_OVER_GLOO, TENSOR_PARALLEL
 
 # The names a refusal gives the options: `Session`'s keywords, or the command line's flags.
 KEYWORDS: Mapping[str, str] = {"precision": "precision", "device": "device",
-                               "param_dtype": "ShardOptions.param_dtype", "replicate": "ShardOptions.replicate"}
+                               "param_dtype": "ShardOptions.param_dtype", "replicate": "ShardOptions.replicate",
+                               "tensor_parallel": "tensor_parallel", "cpu_offload": "ShardOptions.cpu_offload"}
 FLAGS: Mapping[str, str] = {"precision": "--precision", "device": "--device", "param_dtype": "--shard-param-dtype",
-                            "replicate": "--replicate"}
+                            "replicate": "--replicate", "tensor_parallel": "--tensor-parallel",
+                            "cpu_offload": "--cpu-offload"}
 
 
 def resolve_choices(precision: str | torch.dtype, device: DeviceChoice, backend: str, env: DistEnv,
@@ -37,3 +40,21 @@ def resolve_choices(precision: str | torch.dtype, device: DeviceChoice, backend:
         if shard.replicate > 1 and resolve_backend(backend, chosen) == "gloo":  # type: ignore[arg-type]
             HSDP_OVER_GLOO.require(names["replicate"], shard.replicate)
     return chosen, resolved
+
+
+def layout_shard(shard: ShardOptions | None, tensor_parallel: int, env: DistEnv,
+                 names: Mapping[str, str]) -> ShardOptions | None:
+    """FSDP2's settings for the session: its own `shard`, or, where a split model has none,
+    every data-parallel rank a replica (FSDP2 sharding over one rank each: gradients all-reduced,
+    as DDP does, over a model DDP cannot wrap). A one-line UsageError naming the option by
+    `names` for a degree the ranks cannot be laid out in."""
+    if tensor_parallel == 1:
+        return shard
+    TENSOR_PARALLEL.require(names["tensor_parallel"], tensor_parallel)
+    check_tensor_parallel(tensor_parallel, env, names["tensor_parallel"])
+    if shard is None:
+        return ShardOptions(replicate=env.world_size // tensor_parallel)
+    if shard.cpu_offload:
+        raise UsageError(names["cpu_offload"], True, f"no offload with {names['tensor_parallel']}",
+                         "a split model's shards stay on the GPU; drop one of them")
+    return shard

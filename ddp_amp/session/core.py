@@ -23,7 +23,7 @@ import gc
 import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar, TypeVar
@@ -44,7 +44,8 @@ from ddp_amp.guards import check_rank_sync
 from ddp_amp.metrics.trackers import Trackers, start_trackers_on_rank_zero
 from ddp_amp.checkpoint import Checkpointer, LoadedWeights, load_pretrained
 from ddp_amp.parallel import ShardOptions, Units, fused_kernel_takes
-from ddp_amp.session.choices import KEYWORDS, resolve_choices
+from ddp_amp.torch_api import loss_parallel
+from ddp_amp.session.choices import KEYWORDS, layout_shard, resolve_choices
 from ddp_amp.session.models import SessionModels
 from ddp_amp.session.preemption import LoopPreemption, Signals
 from ddp_amp.session.place import SessionPlace
@@ -68,7 +69,7 @@ class Session(SessionPlace, SessionSaving):
                  scaler_options: Mapping[str, float | int] | None = None,
                  environ: Mapping[str, str] | None = None, *, fp8_emulate: bool = False,
                  shard: ShardOptions | None = None, save_arrival_s: float = 30.0,
-                 liveness: Liveness | None = None) -> None:
+                 liveness: Liveness | None = None, tensor_parallel: int = 1) -> None:
         if not save_arrival_s > 0:
             raise UsageError("save_arrival_s", save_arrival_s, "seconds > 0", "e.g. 30")
         self.save_arrival_s = save_arrival_s
@@ -78,6 +79,7 @@ class Session(SessionPlace, SessionSaving):
         self._scaler_options = {**LossScaleOptions().scaler_kwargs(), **(scaler_options or {})}
         self._environ = environ
         self._shard = shard
+        self._tensor_parallel = tensor_parallel
         self._liveness = liveness
         self._ctx: DistContext | None = None
         self._precision: Precision | None = None
@@ -100,14 +102,17 @@ class Session(SessionPlace, SessionSaving):
                              "do not nest `with` blocks of one Session")
         precision, device, backend, timeout_s, fp8_emulate = self._choices
         env = detect_env(os.environ if self._environ is None else self._environ)
-        # Refused, where they are, before any group is joined.
+        # Refused, where they are, before any group is joined; a split model is spread over the
+        # data-parallel ranks by FSDP2, sharded or (without shard=) replicated.
+        self._shard = layout_shard(self._shard, self._tensor_parallel, env, self.option_names)
         chosen, self._precision = resolve_choices(precision, device, backend, env, fp8_emulate, self._shard,
                                                   self.option_names)
         # A group the caller made before is the caller's to destroy; one we make is ours.
         owns_group = not dist.is_initialized()
         ctx = init_distributed(env, chosen, backend, timeout_s, group_of_one=self._shard is not None,
                                liveness=self._liveness, replicate=self._shard.replicate if self._shard else 1,
-                               host_collectives=self._shard is not None and self._shard.cpu_offload)
+                               host_collectives=self._shard is not None and self._shard.cpu_offload,
+                               tensor_parallel=self._tensor_parallel)
         try:
             self._scaler = self._precision.make_scaler(**self._scaler_options)
         except Exception:
@@ -116,7 +121,7 @@ class Session(SessionPlace, SessionSaving):
             raise
         self._owns_group = owns_group
         self._ctx = ctx
-        self._models = SessionModels(ctx, self._precision, self._shard)
+        self._models = SessionModels(ctx, self._precision, self._shard, self.option_names)
         self._checkpoints = Checkpointer(ctx, self._precision, self._scaler, log.warning)
         # A peer whose exception leaves its session block ends this process too (failure.py),
         # and so do a silent peer and a launcher that is gone (watch.py).
@@ -211,15 +216,18 @@ class Session(SessionPlace, SessionSaving):
     # -- models ----------------------------------------------------------------------
 
     def setup(self, model: nn.Module, *, compile_model: bool = False, grad_comm_dtype: str = "fp32",
-              cast_outputs_to_fp32: bool = False, units: Units = None, **ddp_options: Any) -> nn.Module:
+              cast_outputs_to_fp32: bool = False, units: Units = None,
+              tensor_parallel_plan: Mapping[str, str] | None = None, **ddp_options: Any) -> nn.Module:
         """Move `model` to the device and wrap it (collective): DDP(AutocastModule(model)), the AutocastModule
         alone for a world of one, or with `shard` `AutocastModule(model)` sharded (FSDP2: `units`, module classes
         or a function naming its blocks, else its largest ModuleList's children, then the model). `compile_model`
         compiles it inside the wrapper (sharded: each unit's forward); `grad_comm_dtype` ("bf16", "fp16") reduces
-        gradients compressed. Make optimizers from the returned module's parameters. Other keywords (static_graph,
-        ...) go to DDP."""
+        gradients compressed. With `tensor_parallel=` the model's matmuls are split first, by
+        `tensor_parallel_plan` (module name patterns -> styles) or a transformers model's own plan.
+        Make optimizers from the returned module's parameters. Other keywords (static_graph, ...) go to DDP."""
         return self._made().setup(model, compile_model=compile_model, grad_comm_dtype=grad_comm_dtype,
-                                  cast_outputs_to_fp32=cast_outputs_to_fp32, units=units, ddp_options=ddp_options)
+                                  cast_outputs_to_fp32=cast_outputs_to_fp32, units=units, ddp_options=ddp_options,
+                                  tensor_parallel_plan=tensor_parallel_plan)
 
     def build_model(self, factory: Callable[[], nn.Module], overwritten: Collection[str] = ()) -> nn.Module:
         """`factory()` for `setup`, drawing no init for the `overwritten` names (weights loaded next:
@@ -263,6 +271,12 @@ class Session(SessionPlace, SessionSaving):
     def autocast(self) -> AbstractContextManager[Any]:
         """Autocast in the run's precision, this thread only: for losses and eval code."""
         return self.precision.autocast()
+
+    def loss_parallel(self) -> AbstractContextManager[Any]:
+        """Where the model is split (tensor_parallel=), its logits come split over the vocabulary:
+        enter this around the loss and its backward, which then run on the parts; elsewhere it
+        does nothing."""
+        return loss_parallel() if self.ctx.tp_size > 1 else nullcontext()
 
     # -- gradients and steps ---------------------------------------------------------
 

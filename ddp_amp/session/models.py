@@ -15,7 +15,7 @@ state and optimizer state a checkpoint writes sharded), and what was applied to 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -28,8 +28,9 @@ from ddp_amp.amp import AutocastModule, Precision, unwrap_model
 from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.distributed import is_sharded
-from ddp_amp.parallel import (ParallelPlan, ShardOptions, Units, build_sharded, build_whole, is_built_sharded,
-                              parallelize, release_ddp, shard_slot)
+from ddp_amp.hf import model_tensor_parallel_plan
+from ddp_amp.parallel import (ParallelPlan, ShardOptions, TensorParallelPlan, Units, build_sharded, build_whole,
+                              check_plan, is_built_sharded, parallelize, release_ddp, shard_slot)
 from ddp_amp.session.own_stream import OwnStreamReplay
 from ddp_amp.session.same_start import broadcast_from_rank_zero
 
@@ -40,20 +41,23 @@ _PLAN_DDP_FIELDS = ("find_unused_parameters", "static_graph", "gradient_as_bucke
 class SessionModels:
     """The models one session set up: how each was wrapped, and what to do with them later."""
 
-    def __init__(self, ctx: DistContext, precision: Precision, shard: ShardOptions | None) -> None:
-        self.ctx, self.precision, self.shard = ctx, precision, shard
+    def __init__(self, ctx: DistContext, precision: Precision, shard: ShardOptions | None,
+                 names: Mapping[str, str]) -> None:
+        self.ctx, self.precision, self.shard, self.names = ctx, precision, shard, names
         self._ddp: list[weakref.ref[DDP]] = []
         self.sharded: list[nn.Module] = []  # the user's modules, sharded (FSDP roots)
         self._described: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
     def setup(self, model: nn.Module, *, compile_model: bool, grad_comm_dtype: str, cast_outputs_to_fp32: bool,
-              units: Units, ddp_options: dict[str, Any]) -> nn.Module:
+              units: Units, ddp_options: dict[str, Any],
+              tensor_parallel_plan: Mapping[str, str] | None = None) -> nn.Module:
         """Move `model` to the device and wrap it (collective); see `Session.setup`."""
         if isinstance(model, (DDP, AutocastModule)):
             raise UsageError("model", type(model).__name__, "the plain user module",
                              "pass the model before wrapping; setup adds AutocastModule and DDP")
         plan = self.plan(compile_model=compile_model, grad_comm_dtype=grad_comm_dtype,
-                         cast_outputs_to_fp32=cast_outputs_to_fp32, units=units, ddp_options=ddp_options)
+                         cast_outputs_to_fp32=cast_outputs_to_fp32, units=units, ddp_options=ddp_options,
+                         tensor_parallel=self.tensor_parallel_plan(model, tensor_parallel_plan))
         if plan.shard and self.ctx.world_size > 1 and not is_built_sharded(model):
             # As DDP does at construction: rank 0's init everywhere, whatever each rank seeded.
             broadcast_from_rank_zero(model.to(self.ctx.device))
@@ -67,7 +71,8 @@ class SessionModels:
 
     def build(self, factory: Callable[[], nn.Module], overwritten: Collection[str] = ()) -> nn.Module:
         """`factory()`, or under sharding each rank's shards of it only (collective; see `Session.build_model`)."""
-        if self.shard is None or self.ctx.mesh is None:
+        if self.shard is None or self.ctx.mesh is None or self.ctx.tp_size > 1:
+            # A split model is built whole on each rank, then split and sharded.
             return build_whole(factory, overwritten)
         own = torch.get_rng_state()
         first = [own]
@@ -89,8 +94,27 @@ class SessionModels:
             torch.set_rng_state(replay.own)
         return model
 
+    def tensor_parallel_plan(self, model: nn.Module, given: Mapping[str, str] | None) -> TensorParallelPlan | None:
+        """How `model` is split where the session splits models: `given` (module name patterns ->
+        styles), else a transformers model's own plan; checked against the model and the degree
+        (a one-line UsageError). None where the session does not split."""
+        degree = self.ctx.tp_size
+        if degree == 1:
+            return None
+        if given is not None:
+            plan = TensorParallelPlan(dict(given), source="the tensor_parallel_plan")
+        else:
+            own = model_tensor_parallel_plan(model, self.names["tensor_parallel"])
+            if own is None:
+                raise UsageError(self.names["tensor_parallel"], degree, f"a plan to split {type(model).__name__} by",
+                                 "pass setup(..., tensor_parallel_plan={'blocks.*.fc1': 'colwise', ...}), or set "
+                                 "Task.tensor_parallel_plan; transformers models bring their own")
+            plan = TensorParallelPlan(own.styles, own.divisible, own.source)
+        check_plan(model, plan, degree, self.names["tensor_parallel"])
+        return plan
+
     def plan(self, *, compile_model: bool, grad_comm_dtype: str, cast_outputs_to_fp32: bool, units: Units,
-             ddp_options: dict[str, Any]) -> ParallelPlan:
+             ddp_options: dict[str, Any], tensor_parallel: TensorParallelPlan | None = None) -> ParallelPlan:
         """The one plan for a model of this session (refused here, before the model is touched)."""
         named = {name: ddp_options[name] for name in _PLAN_DDP_FIELDS if name in ddp_options}
         rest = {name: value for name, value in ddp_options.items() if name not in _PLAN_DDP_FIELDS}
@@ -102,7 +126,8 @@ class SessionModels:
                             param_dtype=shard.param_dtype if shard else "fp32",
                             cpu_offload=shard.cpu_offload if shard else False,
                             grad_comm_dtype=grad_comm_dtype, compile=compile_model,
-                            cast_outputs_to_fp32=cast_outputs_to_fp32, ddp_options=rest, **named)
+                            cast_outputs_to_fp32=cast_outputs_to_fp32, ddp_options=rest,
+                            tensor_parallel=tensor_parallel, **named)
 
     def describe(self, model: nn.Module) -> str:
         """What setup applied to `model` (see `Session.describe`)."""

@@ -112,6 +112,11 @@ class Task:
     # micro-batch and rank, so the step's loss is the mean over its items on any split of the
     # global batch (ddp_amp/trainer/micro_steps.py). None: the loss is a mean per micro-batch.
     count_loss_items: Callable[[Any], Any] | None = None
+    # How --tensor-parallel splits the model: module name patterns (`*` for one part of a dotted
+    # name) -> style: "colwise", "rowwise" (Linears split by output and input features),
+    # "embedding", "head" (the output layer, its logits left split for the loss), "norm"
+    # (sequence parallel). None: a transformers model's own plan (ddp_amp/parallel/tensor_parallel.py).
+    tensor_parallel_plan: Mapping[str, str] | None = None
 
 
 def parse_task_options(options: Mapping[str, str],

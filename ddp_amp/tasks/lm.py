@@ -32,6 +32,11 @@ if TYPE_CHECKING:
     from ddp_amp.tasks import Task
 
 MAX_POSITIONS = 4096  # the longest sequence the positional table covers
+# --tensor-parallel: the feed-forward of each layer (Megatron's MLP split), the embedding and the
+# head (its logits split over the vocabulary for the loss). The attention stays whole on every
+# rank: torch's MultiheadAttention packs query, key and value in one weight.
+TENSOR_PARALLEL_PLAN = {"embedding": "embedding", "encoder.layers.*.linear1": "colwise",
+                        "encoder.layers.*.linear2": "rowwise", "decoder": "head"}
 
 # The example's sizes (emsize 200, nhid 200, 2 layers, 2 heads, dropout 0.2, bptt 35).
 DEFAULTS: dict[str, float] = {"emsize": 200, "nhid": 200, "nlayers": 2, "nhead": 2, "bptt": 35,
@@ -195,6 +200,7 @@ def make_task(config: TrainConfig) -> Task:
     steps_per_epoch = max(1, len(train_data) // config.batch_size)
     return Task(
         shard_units=(nn.TransformerEncoderLayer,),
+        tensor_parallel_plan=TENSOR_PARALLEL_PLAN,
         build_model=build_model,
         train_data=train_data,
         eval_data=eval_data,

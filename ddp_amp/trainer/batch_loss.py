@@ -24,8 +24,15 @@ from torch import nn
 
 from ddp_amp.errors import UsageError
 from ddp_amp.tasks import Task
+from ddp_amp.torch_api import DTensor
 
 Extras = dict[str, torch.Tensor]
+
+
+def whole(value: torch.Tensor) -> torch.Tensor:
+    """A loss or metric computed on a split model's logits (a DTensor: tensor parallel's loss
+    parallel) as the plain tensor every rank then holds; any other tensor as it is."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def _own_loss(output: Any) -> Any:

@@ -24,7 +24,7 @@ from ddp_amp.data import collate
 from ddp_amp.errors import UsageError
 from ddp_amp.session import Session
 from ddp_amp.tasks import Task
-from ddp_amp.trainer.batch_loss import BatchLoss
+from ddp_amp.trainer.batch_loss import BatchLoss, whole
 
 
 @torch.no_grad()
@@ -55,8 +55,10 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, session: 
     sums: dict[str, torch.Tensor] = {}
 
     def add(batch: Any, batch_weight: float) -> None:
-        for name, (total, count) in score(forward, session.to_device(batch)).items():
-            pair = batch_weight * torch.stack([total.detach().double().to(ctx.device),
+        with session.loss_parallel():  # a split model's logits are scored on their parts
+            scored = score(forward, session.to_device(batch))
+        for name, (total, count) in scored.items():
+            pair = batch_weight * torch.stack([whole(total).detach().double().to(ctx.device),
                                                torch.tensor(float(count), dtype=torch.float64, device=ctx.device)])
             sums[name] = sums[name] + pair if name in sums else pair
 

@@ -67,7 +67,8 @@ class Trainer:
         parallel, guard, data = config.parallel_options(), config.guard_options(), config.data_options()
         model = task.model if task.model is not None else build_task_model(session, config, task, overwritten)
         self.model = session.setup(model, compile_model=parallel.compile, grad_comm_dtype=parallel.grad_comm_dtype,
-                                   units=task.shard_units, **({"static_graph": True} if parallel.static_graph else {}))
+                                   units=task.shard_units, tensor_parallel_plan=task.tensor_parallel_plan,
+                                   **({"static_graph": True} if parallel.static_graph else {}))
         self.layout = session.describe(self.model)  # what the start line says of the model
         # After setup: sharding replaces each parameter by its shard (a DTensor), which the
         # watchdogs must read.

@@ -33,7 +33,7 @@ from torch import nn
 
 from ddp_amp.errors import UsageError
 from ddp_amp.session import AutocastModule, Session
-from ddp_amp.trainer.batch_loss import BatchLoss
+from ddp_amp.trainer.batch_loss import BatchLoss, whole
 
 _NOTHING = nullcontext()  # reusable: nullcontext keeps no state
 # What the Trainer's log record writes itself: a step_fn's extra scalars may not take these names.
@@ -61,6 +61,7 @@ class MicroSteps:
         self._precision = session.precision  # entered every micro-step: read once here
         self._step_model = _called_in_step(model, batch_loss)
         self._count_items = count_items
+        self._splits, self._split_loss = session.ctx.tp_size > 1, session.loss_parallel
         self.extras: dict[str, torch.Tensor] = {}  # a step_fn's other scalars, last step, on the device
 
     def run(self, stream: Iterator[Any]) -> torch.Tensor:
@@ -89,15 +90,19 @@ class MicroSteps:
 
     def _micro_step(self, batch: Any, weight: torch.Tensor | None, first: bool) -> torch.Tensor:
         """Forward, loss and the scaled backward of one micro-batch; its weighed loss, detached."""
-        # Forward and loss in one autocast region, as in the recipe; the wrapper inside DDP
-        # sees it is already in effect and does not enter it again.
-        with self._precision.autocast():
-            loss, extras = self.batch_loss(self._step_model, batch)
-        if weight is not None:
-            loss = loss * weight
-        elif self.grad_accum > 1:
-            loss = loss / self.grad_accum
-        self.session.backward(loss)
+        # A split model's logits come split over the vocabulary: its loss and that loss's
+        # backward run on the parts, inside loss parallel (nothing elsewhere).
+        with self._split_loss() if self._splits else _NOTHING:
+            # Forward and loss in one autocast region, as in the recipe; the wrapper inside DDP
+            # sees it is already in effect and does not enter it again.
+            with self._precision.autocast():
+                loss, extras = self.batch_loss(self._step_model, batch)
+            loss = whole(loss)
+            if weight is not None:
+                loss = loss * weight
+            elif self.grad_accum > 1:
+                loss = loss / self.grad_accum
+            self.session.backward(loss)
         if extras:
             self._add_extras(extras, first=first)
         return loss.detach()

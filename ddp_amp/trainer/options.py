@@ -36,7 +36,8 @@ def session_for(config: TrainConfig) -> Session:
     precision, dist = config.precision_options(), config.dist_options()
     return CommandLineSession(precision.precision, dist.device, dist.backend, dist.dist_timeout,  # type: ignore[arg-type]  # strs, checked as choices
                    scaler_options=precision.loss_scale().scaler_kwargs(), fp8_emulate=precision.fp8_emulate,
-                   shard=shard_options(config), liveness=dist.liveness())
+                   shard=shard_options(config), liveness=dist.liveness(),
+                   tensor_parallel=config.parallel_options().tensor_parallel)
 
 
 def check_options(config: TrainConfig) -> None:
