@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import subprocess
@@ -20,7 +21,9 @@ from pathlib import Path
 from ddp_amp.checkpoint import verify_checkpoint
 from ddp_amp.checkpoint.discovery import checkpoint_root, list_step_dirs
 from ddp_amp.distributed import PeerWatch, Progress
-from ddp_amp.distributed.liveness import SILENCE_S, PeerTracker, rank_list, silent_line
+from ddp_amp.distributed.liveness import SILENCE_S, PeerTracker
+from ddp_amp.distributed.naming import rank_list, silent_line
+from ddp_amp.distributed.store_keys import failure_value, parse_failure
 from tests.multiproc import REPO_ROOT, child_pids, cli_env, free_port, is_running, run_ranks, run_train
 from tests.resume_harness import TASK
 
@@ -263,6 +266,23 @@ def test_the_line_lists_ranks_and_steps_compactly() -> None:
     assert line.startswith("ddp_amp: ranks 3-4 went silent (last heard at steps 11 (rank 3), none yet (rank 4)): "
                            "their processes ended")
     assert line.endswith("; the other ranks reached step 12")
+
+
+def test_the_line_and_the_failure_every_helper_reads_stay_small_at_16384_ranks() -> None:
+    """466 live ranks named among 16,384 at scattered places, at many steps: the line names
+    a few ranks and how many more, and the failure record in the store a few and the count."""
+    world = 16_384
+    draw = random.Random(0)
+    gone = sorted(draw.sample(range(2, world), 466))
+    steps: dict[int, int | None] = {rank: draw.choice([None, 4179, 4180, 4181, 4000 + rank % 97])
+                                    for rank in range(world)}
+    line = silent_line(gone, [], steps, [world - 1])
+    assert len(line) < 1_000, len(line)
+    assert line.startswith(f"ddp_amp: ranks {gone[0]}, {gone[1]}, {gone[2]}, {gone[3]} and 462 more went silent")
+    value = failure_value(0, line, gone, 0.0)
+    record = parse_failure(value)
+    assert len(value) < 2_000 and record["named"] == gone[:4] and record["count"] == 466, len(value)
+    assert len(failure_value(1, "x" * 200_000)) < 1_100  # a rank's own error, however long its text
 
 
 def test_the_tracker_judges_on_the_beats_alone() -> None:

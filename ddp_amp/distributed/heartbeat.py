@@ -18,8 +18,11 @@ and
    closing without a last "end" line means the rank's process is exiting: GONE, as above;
 3. holds a WAIT for the job's next news (store_keys.py): a failure published, or the
    store's host done. It reads the verdict when woken and passes it to the rank on its
-   stdout: `F <failure>`, `H` (the host finished: its store going away is no failure),
-   `L` (the store refuses connections: its host is gone).
+   stdout: `F <rank that failed>`, `H` (the host finished: its store going away is no
+   failure), `L` (the store refuses connections: its host is gone). Its stdout does not
+   block: a rank hung with the GIL held reads none of it, and a write into its full pipe
+   would stand between the helper and the SIGKILL below; each line is a few bytes, under
+   the pipe's atomic size, so it goes whole or not at all.
 A rank that a judge named is ended by its own helper at once (SIGKILL), after writing
 torchrun's error file with the judge's line and when the evidence began: torchrun then
 reports the named rank as the root cause, not the judge that ended first. A rank that
@@ -92,6 +95,7 @@ class Helper:
         # A launcher's SIGTERM to the worker's process group (torchrun's teardown) is the
         # rank's to handle: this process ends with it, after its last word.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.set_blocking(1, False)  # the rank may never read: news must not block the loop
         while True:
             now = time.monotonic()
             struct.pack_into("<d", self.page, TICK_AT, now)
@@ -201,7 +205,7 @@ class Helper:
                 _leave_error_file(self.record)
                 os.kill(self.parent, signal.SIGKILL)
                 return True
-            _tell(b"F " + self.failure)
+            _tell(b"F %d" % _int(self.record.get("rank")))
         if self.host_done and not self.told_host_done:
             self.told_host_done = True
             _tell(b"H")
@@ -232,9 +236,13 @@ def _leave_error_file(record: dict[str, Any]) -> None:
             "py_callstack": message, "timestamp": str(when)}}}))
 
 
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) else -1
+
+
 def _tell(news: bytes) -> None:
-    with contextlib.suppress(OSError):  # the rank is gone or stopped reading
-        os.write(1, news.replace(b"\n", b" ") + b"\n")
+    with contextlib.suppress(OSError):  # the rank is gone, or stopped reading and its pipe is full
+        os.write(1, news + b"\n")
 
 
 if __name__ == "__main__":

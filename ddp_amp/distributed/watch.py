@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
 import sys
 import threading
@@ -44,7 +43,8 @@ from ddp_amp.distributed.failure import EXIT_PEER_FAILED
 from ddp_amp.distributed.heart import Heart
 from ddp_amp.distributed.launcher import LauncherCheck
 from ddp_amp.distributed.liveness import (POLL_S, SILENCE_S, Liveness, PeerTracker, Progress, collective_failure,
-                                          silent_line, store_route)
+                                          store_route)
+from ddp_amp.distributed.naming import silent_line
 from ddp_amp.distributed.store_keys import (BEAT_KEY, DONE, FAILED, FAILURE_KEY, GONE, RUNNING, TIMED_OUT,
                                             announce, beat, failure_value)
 from ddp_amp.distributed.store_wire import WireClient
@@ -172,11 +172,10 @@ class PeerWatch:
         return TIMED_OUT if self._failed[0] == "timeout" else FAILED
 
     def _hear(self, news: str) -> None:
-        """A line of the helper's: F <failure>, H (the store's host finished), L (store lost)."""
+        """A line of the helper's: F <rank that failed>, H (the store's host finished), L (store lost)."""
         if news.startswith("F "):
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                if int(json.loads(news[2:])["rank"]) == self.rank:
-                    return  # this rank's own failure: its main thread reports it
+            if news[2:].strip() == str(self.rank):
+                return  # this rank's own failure: its main thread reports it
             _exit()  # another rank failed and said so
         elif news == "H":
             self._host_done = True
