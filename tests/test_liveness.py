@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -66,10 +67,18 @@ class Output:
         return "\n".join(line for _, line in self.lines)
 
 
-def _start(command: list[str]) -> tuple[subprocess.Popen[str], Output]:
+def _start(command: list[str], open_files: tuple[int, int] | None = None) -> tuple[subprocess.Popen[str], Output]:
+    """`command`'s process and its output; `open_files`: its soft and hard RLIMIT_NOFILE."""
+    limits = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, open_files)) if open_files else None
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(),
-                            cwd=REPO_ROOT)
+                            cwd=REPO_ROOT, preexec_fn=limits)
     return proc, Output(proc)
+
+
+def _lowered_soft_limit() -> tuple[int, int]:
+    """This process's hard open-file limit with a soft one below it."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return min(1024, hard // 2), hard
 
 
 def _wait_gone(pids: list[int], deadline: float, output: Output | None = None) -> None:
@@ -176,11 +185,15 @@ def test_a_rank_that_stops_answering_is_named_once_its_heartbeat_is_silent(tmp_p
     """SIGSTOP: the process is there, its heartbeat is not; as a rank on a lost node looks.
     Its own helper ends it once it is named, and torchrun reports it as the root cause
     (not the judge that ended first)."""
+    open_files = _lowered_soft_limit()
     proc, output = _start([*TORCHRUN, "-m", "ddp_amp.train", *CKPT, "--run-dir", str(tmp_path), "--task-opt",
                            "stop_at=20", "--task-opt", "kill_rank=1", "--dist-timeout", "120",
-                           "--peer-silence", str(STOPPED_SILENCE_S)])
+                           "--peer-silence", str(STOPPED_SILENCE_S)], open_files)
     try:
         started, _ = output.first(" start: fresh run")
+        # Started with a soft open-file limit under the hard one: torchrun's agent (the
+        # store's host) and each worker run at the hard one.
+        soft = {pid: resource.prlimit(pid, resource.RLIMIT_NOFILE)[0] for pid in [proc.pid, *child_pids(proc.pid)]}
         named, line = output.first("^ddp_amp: ")
         code = proc.wait(60)
     finally:
@@ -189,6 +202,7 @@ def test_a_rank_that_stops_answering_is_named_once_its_heartbeat_is_silent(tmp_p
     assert code != 0
     output.wait_closed(10)
     assert output.ours() == [line], output.text()[-3000:]
+    assert len(soft) == 3 and set(soft.values()) == {open_files[1]}, (open_files, soft)
     assert line.startswith("ddp_amp: rank 1 went silent (last heard at ") and "the other ranks reached step 20" in line
     # Its last heartbeat may come a poll (0.5 s) before the start line; silent from step 20 on.
     assert STOPPED_SILENCE_S - 1 < named - started < STOPPED_SILENCE_S + 10, named - started
@@ -346,6 +360,21 @@ def test_a_rank_hung_with_the_gil_held_ends_when_the_store_host_leaves_first(tmp
                                  "collective that timed out (--dist-timeout) on the others (a hang in its own code "
                                  "or I/O: data loading, a file system, a deadlock); the other ranks reached step 5"], \
         outputs[0].text()[-3000:]
+
+
+def test_a_store_host_whose_open_file_limit_is_too_low_for_the_ranks_is_refused_in_one_line(tmp_path: Path) -> None:
+    """torchrun's agent hosts the store with a hard limit of 200 open files, under the 262
+    that 2 ranks need (3 a rank plus 256): every rank stops before its group forms, one line."""
+    done = subprocess.run([*TORCHRUN, "-m", "ddp_amp.train", *MLP, "--max-steps", "1", "--run-dir", str(tmp_path)],
+                          capture_output=True, text=True, env=cli_env(), cwd=REPO_ROOT, timeout=120,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200)))
+    ours = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("ddp_amp: ")]
+    assert done.returncode != 0 and ours == [
+        "ddp_amp: error: open files of the store's host=200: expected at least 262 for 2 ranks (torchrun's agent at "
+        "localhost: 3 per rank, for torch's store client and the failure watch's heartbeat helper and stand-in, plus "
+        "256) (hint: raise the hard limit where the job starts (ulimit -Hn, nofile in /etc/security/limits.conf, "
+        "LimitNOFILE= of a systemd unit, srun --propagate=NOFILE); ddp_amp raises the soft limit to it)"], done.stderr
+    assert "exitcode  : 2" in done.stderr and not any(tmp_path.iterdir())
 
 
 def test_a_silence_limit_shorter_than_four_polls_is_refused_in_one_line(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from ddp_amp.distributed.device import DeviceChoice, resolve_device
 from ddp_amp.distributed.held_stderr import HeldStderr
 from ddp_amp.distributed.launcher import check_launcher_store
 from ddp_amp.distributed.liveness import Liveness, Progress, remember_prefix
+from ddp_amp.distributed.open_files import agree_open_files, raise_open_files
 from ddp_amp.distributed.watch import start_heart, stop_watches
 from ddp_amp.env import DistEnv
 from ddp_amp.errors import UsageError
@@ -141,6 +142,7 @@ def resolve_backend(choice: BackendChoice, device: torch.device) -> str:
 
 def _open_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     check_launcher_store(env)  # a launcher killed while this worker started: no 600 s of retries
+    raise_open_files(env)  # the store's host holds up to 3 descriptors a rank (open_files.py)
     is_server = env.rank == 0 and not env.agent_hosts_store
     # Every rank passes wait_for_workers=True: that is what registers a client with the
     # server's worker count (the server alone then blocks until all have joined).
@@ -152,6 +154,7 @@ def _open_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     prefix = f"ddp_amp/attempt_{env.restart_count}"
     prefixed = dist.PrefixStore(prefix, store)
     remember_prefix(prefixed, prefix)
+    agree_open_files(prefixed, env)  # a store host that would run out of descriptors: refused on every rank
     return prefixed
 
 
