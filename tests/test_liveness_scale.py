@@ -120,6 +120,26 @@ def test_a_rank_that_never_arrives_is_one_line_on_every_rank(tmp_path: Path) -> 
     assert outputs[1] == "", outputs[1]
 
 
+def test_where_rank_0_hosts_the_store_and_never_arrives_every_rank_there_prints_the_one_line() -> None:
+    """Ranks 1 and 2 of three, started by hand (env://, as under srun): rank 0, which would
+    host the store, never starts. Each rank that is there says so in one line (no rank 0 is
+    there to say it for them) and exits 2."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "ddp_amp.train", "--task", "mlp", "--device", "cpu",
+                               "--max-steps", "1", "--dist-timeout", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
+                              env=cli_env(RANK=str(rank), WORLD_SIZE="3", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="3",
+                                          MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank in (1, 2)]
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [2, 2], outputs
+    for rank, output in zip((1, 2), outputs):
+        assert output.count("\n") == 1 and output.startswith(
+            f"ddp_amp: error: --dist-timeout='2': expected every rank at the rendezvous within it (rank {rank} could "
+            f"not reach the store at 127.0.0.1:{port}: "), output
+        assert "the store's host (rank 0) did not start" in output, output
+
+
 def test_the_wire_client_speaks_torchs_store_protocol() -> None:
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10), wait_for_workers=False)
     prefixed = dist.PrefixStore("p", server)
