@@ -139,6 +139,9 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None
     assert scale_row["line"].startswith("ddp_amp: rank 15 went silent"), scale_row
     assert 0 <= scale_row["store_cpu_share"] < 1 and 0 <= scale_row["judge_cpu_share"] < 1
     assert scale_row["beats_per_s_asked"] == 14 / 0.5 and scale_row["beats_per_s"] > 0
+    # The store's descriptors: one a connection of the 14 emulated helpers, the 2 judges' and
+    # their helpers', the bench's own client.
+    assert 14 <= scale_row["store_fds"] <= 14 + 2 + 2 + 1, scale_row
     data = report["sections"]["data"]
     ours, theirs = data["tokenize"]["rows"]
     assert ours["contender"] == "ddp_amp" and theirs["contender"] == "datasets.map"

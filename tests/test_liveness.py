@@ -323,12 +323,18 @@ def test_the_tracker_judges_on_the_beats_alone() -> None:
 def test_a_rank_holding_the_gil_past_the_silence_limit_is_not_named(tmp_path: Path) -> None:
     """Rank 1 spends three silence limits in one C call that keeps the GIL: every thread of
     its process pauses, its heartbeat helper (a process of its own) beats on, and the run
-    finishes with no rank named."""
+    finishes with no rank named. The store takes 8 beats a second at most here, so the 2
+    ranks' beats widen from 0.2 s to 0.25 s, and rank 0 says so once."""
     done = run_train([*CKPT[:-2], "--max-steps", "10", "--run-dir", str(tmp_path), "--task-opt", "gil_at=5",
                       "--task-opt", "gil_s=6", "--task-opt", "kill_rank=1", "--peer-poll", "0.2",
-                      "--peer-silence", "2"], nproc=2, timeout=300)
+                      "--peer-silence", "2", "--peer-beats-per-s", "8"], nproc=2, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
+    notices = [line for line in output.splitlines() if line.startswith("[ddp_amp] at 2 ranks")]
+    assert notices == ["[ddp_amp] at 2 ranks each rank beats every 0.25 s (not --peer-poll 0.2 s): the store "
+                       "receives at most --peer-beats-per-s 8 beats a second; a rank whose process ended is named "
+                       "within 0.45 s, a stopped or lost one in 1.75-2.5 s (raise --peer-beats-per-s for faster "
+                       "detection at that much more load on the store: docs/watching.md)"], output[-3000:]
     assert "went silent" not in output and "made no progress" not in output, output[-3000:]
     summary = re.search(r"summary: .*steps_taken=10 .*wall_s=([\d.]+)", output)
     assert summary and float(summary.group(1)) >= 6, output[-3000:]  # the 6 s with the GIL held are in it

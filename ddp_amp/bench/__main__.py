@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the scale section's silence limit in seconds, as --peer-silence sets it for a run "
                         "(at least four beat periods: 16 s at 16,384 ranks); "
                         "each size takes about twice this (default: %(default)s)")
+    parser.add_argument("--scale-beats-per-s", type=float, default=scale.BEATS_PER_S,
+                        help="the scale section's store budget of beats a second, as --peer-beats-per-s sets it "
+                        "for a run: higher, shorter beats and faster detection at large world sizes, for more "
+                        "store load (default: %(default)s)")
     parser.add_argument("--resume-ranks", default=",".join(map(str, rank_zero.RANKS)),
                         help="the resume section's emulated world sizes for rank 0's share, comma-separated; the "
                         "first and the last are compared (default: %(default)s)")
@@ -293,7 +297,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["sections"]["resume"] = section
         print("\n" + resume.resume_table(section), flush=True)
     if "scale" in args.sections:
-        section = scale.run(tuple(int(n) for n in args.scale_ranks.split(",")), args.scale_silence)
+        section = scale.run(tuple(int(n) for n in args.scale_ranks.split(",")), args.scale_silence,
+                            args.scale_beats_per_s)
         report["sections"]["scale"] = section
         print("\n" + scale.scale_table(section), flush=True)
     if "data" in args.sections:

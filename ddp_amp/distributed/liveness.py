@@ -64,11 +64,14 @@ _TIMEOUT_WORDS = ("timed out", "timeout")
 
 @dataclass(frozen=True)
 class Liveness:
-    """How often each rank beats and how long a peer may be silent: the defaults are above;
-    `--peer-poll` and `--peer-silence` set them for a run."""
+    """How often each rank beats, how long a peer may be silent, and how many beats a second
+    the store receives at most: the defaults are above; `--peer-poll`, `--peer-silence` and
+    `--peer-beats-per-s` set them for a run. Above `beats_per_s * poll_s` ranks the beats
+    widen (`beat_s`) and so may the silence limit (`silence_for`): `notice` says so."""
 
     poll_s: float = POLL_S
     silence_s: float = SILENCE_S
+    beats_per_s: float = BEATS_PER_S
 
     def check(self) -> None:
         """One line where the silence limit does not span several polls: a beat or two late
@@ -77,15 +80,44 @@ class Liveness:
             raise UsageError("--peer-silence", self.silence_s,
                              f"at least 4 polls ({4 * self.poll_s:g} s at --peer-poll {self.poll_s:g})",
                              "raise --peer-silence or lower --peer-poll")
+        if not self.beats_per_s > 0:
+            raise UsageError("--peer-beats-per-s", self.beats_per_s, "a number of beats > 0", f"e.g. {BEATS_PER_S:g}")
 
     def beat_s(self, world_size: int) -> float:
         """Seconds between two beats of a rank in a world of `world_size`: the poll, or longer
-        where the world would send the store more than BEATS_PER_S beats a second."""
-        return max(self.poll_s, world_size / BEATS_PER_S)
+        where the world would send the store more than `beats_per_s` beats a second."""
+        return max(self.poll_s, world_size / self.beats_per_s)
 
     def silence_for(self, world_size: int) -> float:
         """The silence limit in a world of `world_size`: at least four beat periods."""
         return max(self.silence_s, 4 * self.beat_s(world_size))
+
+    def detection(self, world_size: int) -> tuple[float, float, float]:
+        """How long until a rank is named in a world of `world_size`: at most for one whose
+        process ended (its helper's GONE goes out within a poll, a judge reads every beat
+        period), and at least and at most for one that went silent (its last beat came up to
+        a beat period before it stopped; a judge reads every beat period, and reads again
+        before it names)."""
+        beat, silence = self.beat_s(world_size), self.silence_for(world_size)
+        return self.poll_s + beat, silence - beat, silence + 2 * beat
+
+    def notice(self, world_size: int) -> str | None:
+        """One line where `world_size` widens the poll or the silence limit past the ones
+        set, with the detection times that follow and the option that trades them for store
+        load; None where nothing is widened."""
+        beat, silence = self.beat_s(world_size), self.silence_for(world_size)
+        widened = []
+        if beat > self.poll_s:
+            widened.append(f"beats every {beat:g} s (not --peer-poll {self.poll_s:g} s)")
+        if silence > self.silence_s:
+            widened.append(f"is named silent after {silence:g} s of silence (not --peer-silence {self.silence_s:g} s)")
+        if not widened:
+            return None
+        killed, fastest, slowest = self.detection(world_size)
+        return (f"[ddp_amp] at {world_size:,} ranks each rank {' and '.join(widened)}: the store receives at most "
+                f"--peer-beats-per-s {self.beats_per_s:,.0f} beats a second; a rank whose process ended is named "
+                f"within {killed:g} s, a stopped or lost one in {fastest:g}-{slowest:g} s (raise "
+                "--peer-beats-per-s for faster detection at that much more load on the store: docs/watching.md)")
 
 
 class Progress:
