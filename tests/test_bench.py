@@ -20,7 +20,7 @@ import pytest
 from ddp_amp.bench import overhead, transformer
 from ddp_amp.bench.__main__ import check
 from ddp_amp.bench.targets import check_report, target_fields
-from ddp_amp.torch_api import SHARDING
+from ddp_amp.torch_api import GLOO_CONNECTS_LAZILY, SHARDING
 from tests.multiproc import REPO_ROOT, cli_env
 
 Run = tuple[subprocess.CompletedProcess[str], dict[str, Any]]
@@ -158,6 +158,13 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None
         small, large = report["sections"]["resume"]["rank_zero"]["rows"]
         assert (small["ranks"], large["ranks"]) == (4, 16) and small["save_ops"] == large["save_ops"] > 0
         assert small["resume_ops"] == large["resume_ops"] > 0 and "rank 0's share at N emulated ranks" in text
+        assert small["exchanged_bytes"] == large["exchanged_bytes"] == 1_028  # the reports' exchange: flat in N
+        # The saves' own gloo group on 4 real ranks: each rank connects to its ring's two
+        # neighbours over a background save, not to every other rank (3 each before).
+        group = report["sections"]["resume"]["saves_group"]
+        assert group["ranks"] == 4 and group["saved"], group
+        if GLOO_CONNECTS_LAZILY:
+            assert group["opened"] == [2, 2, 2, 2] and group["meets_target"], group
 
 
 def test_check_lists_every_target_and_exits_1_exactly_when_one_is_missed(tiny_run: Run) -> None:

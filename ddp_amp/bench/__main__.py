@@ -19,9 +19,10 @@ with --check, a target missed).
 
 Targets (targets.py): host, Trainer / hand in every row, on any device; overhead and
 transformer, a GPU's (not applicable on a CPU, and `--check` says so); resume, no rank
-hashes more than it reads, and rank 0's file operations and time at save and at resume
-(file operations for retention's deletion too) flat from 64 to 16,384 emulated ranks; recipe, fastpaths
-and checkpoint report figures without targets.
+hashes more than it reads, the saves' own group connects each rank to two peers at most,
+and rank 0's file operations and time at save and at resume (file operations for
+retention's deletion too) flat from 64 to 16,384 emulated ranks; recipe, fastpaths and
+checkpoint report figures without targets.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         "and one broadcast; the writes run in the background) against a synchronous save, as paired saves of one "
         "trainer on an mlp of 8 layers of width 4096 x --scale (101M parameters and AdamW state at scale 1); "
         "(resume) each rank's verification time and bytes hashed when a sharded checkpoint is found again, "
-        "on 1, 2 and 4 gloo ranks, against its own files plus the replicated files; then rank 0's time and "
+        "on 1, 2 and 4 gloo ranks, against its own files plus the replicated files; the connections each rank "
+        "opens for the --async-checkpoint group over a background save on 4 ranks; then rank 0's time and "
         "file operations at save, at resume and for retention with --resume-ranks emulated ranks' files on local "
         "disk; (scale) "
         "the liveness watch at 64 to 16,384 ranks against one real store, every rank with its own connection "
