@@ -20,9 +20,9 @@ with --check, a target missed).
 Targets (targets.py): host, Trainer / hand in every row, on any device; overhead and
 transformer, a GPU's (not applicable on a CPU, and `--check` says so); resume, no rank
 hashes more than it reads, the saves' own group connects each rank to two peers at most,
-and rank 0's file operations and time at save and at resume (file operations for
-retention's deletion too) flat from 64 to 16,384 emulated ranks; recipe, fastpaths and
-checkpoint report figures without targets.
+and rank 0's file operations at save, at resume and for retention's deletion are flat from
+64 to 16,384 emulated ranks (its time is reported, not held to a target: the machine's load
+decides it); recipe, fastpaths and checkpoint report figures without targets.
 """
 
 from __future__ import annotations
