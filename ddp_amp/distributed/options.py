@@ -35,7 +35,7 @@ class DistOptions(ComponentOptions):
                                      "ranks together: above this many x --peer-poll ranks the beats widen to "
                                      "keep to it, and detection slows with them; raise it for faster detection at "
                                      "large world sizes, at that much more load on the store (4,096 a second cost "
-                                     "it 6-9% of a core at 16,384 ranks: docs/benchmarks.md)",
+                                     "it 6 to 9 percent of a core at 16,384 ranks: docs/benchmarks.md)",
                                      limits=(1.0, 1e6))
 
     def check(self) -> None:
