@@ -122,9 +122,13 @@ def saves_group_connections(ctx: DistContext, root: str) -> dict[str, Any]:
     return {"rank": ctx.rank, "opened": opened, "saved": saved is not None}
 
 
-def _saves_group(world_size: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as scratch:
-        results = run_ranks(saves_group_connections, world_size, scratch, threads=1)
+def _rank_then_saves_group(ctx: DistContext, root: str, width: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`_rank`, then `saves_group_connections`, in the same processes (collective): one start
+    of the ranks for both."""
+    return _rank(ctx, root, width), saves_group_connections(ctx, str(Path(root) / "saves-group"))
+
+
+def _saves_group(world_size: int, results: list[dict[str, Any]]) -> dict[str, Any]:
     opened = [result["opened"] for result in results]
     lazy = "" if GLOO_CONNECTS_LAZILY else "this torch's gloo connects every pair as a group forms"
     return {"ranks": world_size, "opened": opened, "saved": all(result["saved"] for result in results),
@@ -136,10 +140,15 @@ def run(ranks: tuple[int, ...] = RANKS, widths: tuple[int, ...] = WIDTHS,
     """Every (width, ranks) case: each rank's verification time and bytes hashed; then rank 0's
     share at each of `emulated` world sizes (rank_zero.py)."""
     rows: list[dict[str, Any]] = []
+    group: dict[str, Any] = {}
     for width in widths:
         for world_size in ranks:
             with tempfile.TemporaryDirectory() as scratch:
-                results = run_ranks(_rank, world_size, scratch, width, threads=1)
+                if not group and world_size == max(ranks):  # the saves' group measured there too
+                    both = run_ranks(_rank_then_saves_group, world_size, scratch, width, threads=1)
+                    results, group = [first for first, _ in both], _saves_group(world_size, [last for _, last in both])
+                else:
+                    results = run_ranks(_rank, world_size, scratch, width, threads=1)
             worst = max(result["bytes_hashed"] / max(result["reads_bytes"], 1) for result in results)
             rows.append({
                 "width": width, "ranks": world_size, "checkpoint_mb": results[0]["checkpoint_bytes"] / 2**20,
@@ -148,7 +157,7 @@ def run(ranks: tuple[int, ...] = RANKS, widths: tuple[int, ...] = WIDTHS,
                 "hashed_mb": [result["bytes_hashed"] / 2**20 for result in results],
                 "reads_mb": [result["reads_bytes"] / 2**20 for result in results],
                 **target_fields("hashed / (own files + replicated), worst rank", worst, 1.0)})
-    return {"rows": rows, "saves_group": _saves_group(max(ranks)), "rank_zero": rank_zero.run(emulated, repeats)}
+    return {"rows": rows, "saves_group": group, "rank_zero": rank_zero.run(emulated, repeats)}
 
 
 def resume_table(section: dict[str, Any]) -> str:
