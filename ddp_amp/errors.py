@@ -32,6 +32,12 @@ class UsageError(OneLineError):
     """
 
 
+class StoreUnreached(UsageError):
+    """This rank never reached its group's store within --dist-timeout: the store's host (rank
+    0, or the launcher's agent) never came, so no rank is there to speak for the job. Unlike
+    other errors raised on every rank, each rank that raises it prints it."""
+
+
 class CheckpointError(OneLineError):
     """A checkpoint could not be written (a full disk, a read-only directory); every older
     checkpoint is still in place. Not the user's input: the CLI exits with code 3."""

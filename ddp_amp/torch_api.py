@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import inspect
+import os
 import re
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -64,15 +65,16 @@ from ddp_amp.errors import UsageError
 
 __all__ = [
     "COMPILER_STANCE", "DCP_PICKLED_GLOBALS", "DOCUMENT_MASKS", "FEATURES", "FUSED_TRANSFORMER_IGNORES_CPU_AUTOCAST",
-    "GRAD_SCALER_INTERNALS", "HSDP_OVER_GLOO", "NEWER_TORCHRUN_OPTIONS", "SAC_IGNORED_OPS", "SELECTIVE_RECOMPUTE",
-    "SHARDING", "SUPPORTED", "TENSOR_PARALLEL", "TORCH_RELEASE", "AsyncSaveResponse", "CPUOffloadPolicy",
-    "CheckpointPolicy", "ColwiseParallel", "DTensor", "FSDPModule", "Feature", "MixedPrecisionPolicy",
-    "OffloadPolicy", "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "TorchDispatchMode",
-    "compiled_eagerly", "compiled_graphs", "composable_checkpoint", "compute_local_shape_and_global_offset",
-    "cpu_has_native_bf16", "create_selective_checkpoint_contexts", "dcp_metadata_path", "disabled_torch_function_impl",
-    "dump_memory_snapshot", "fully_shard", "loss_parallel", "make_wrapper_subclass", "parallelize_module",
-    "profiler_keeps_events", "record_memory_history",
-    "release", "safe_globals", "set_transformer_fastpath", "torchrun_knows", "tree_flatten", "tree_map",
+    "GLOO_CONNECTS_LAZILY", "GLOO_LAZY_INIT", "GRAD_SCALER_INTERNALS", "HSDP_OVER_GLOO", "NEWER_TORCHRUN_OPTIONS",
+    "SAC_IGNORED_OPS", "SELECTIVE_RECOMPUTE", "SHARDING", "SUPPORTED", "TENSOR_PARALLEL", "TORCH_RELEASE",
+    "AsyncSaveResponse", "CPUOffloadPolicy", "CheckpointPolicy", "ColwiseParallel", "DTensor", "FSDPModule", "Feature",
+    "MixedPrecisionPolicy", "OffloadPolicy", "Replicate", "RowwiseParallel", "SequenceParallel", "Shard",
+    "TorchDispatchMode", "compiled_eagerly", "compiled_graphs", "composable_checkpoint",
+    "compute_local_shape_and_global_offset", "cpu_has_native_bf16", "create_selective_checkpoint_contexts",
+    "dcp_metadata_path", "disabled_torch_function_impl", "dump_memory_snapshot", "fully_shard",
+    "lazily_connected_gloo", "loss_parallel", "make_wrapper_subclass", "parallelize_module", "profiler_keeps_events",
+    "record_memory_history", "release", "safe_globals", "set_transformer_fastpath", "torchrun_knows", "tree_flatten",
+    "tree_map",
 ]
 
 # torch >= 2.4, < 3: the oldest minor release and the first excluded one.
@@ -343,6 +345,27 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters  # imported where used: dynamo loads with the optimizer anyway
 
     return int(counters["stats"]["unique_graphs"])
+
+
+# Read by ProcessGroupGloo as it is made (torch 2.8 on; found running on 2.13): "1" connects a
+# pair of ranks when a collective first joins them, instead of every pair as the group forms.
+# An older torch ignores it and connects every pair, as before.
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+GLOO_CONNECTS_LAZILY = TORCH_RELEASE >= (2, 8)
+
+
+@contextmanager
+def lazily_connected_gloo() -> Iterator[None]:
+    """Gloo groups made inside the block connect lazily (`GLOO_LAZY_INIT`), unless the
+    environment says otherwise already; the variable is as it was after the block."""
+    before = os.environ.get(GLOO_LAZY_INIT)
+    if before is None:
+        os.environ[GLOO_LAZY_INIT] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(GLOO_LAZY_INIT, None)
 
 
 def set_transformer_fastpath(enabled: bool) -> bool:

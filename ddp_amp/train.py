@@ -36,7 +36,7 @@ from ddp_amp.command_line import config_toml, parse_command_line
 from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import agreed_origin, on_every_rank, publish_failure
 from ddp_amp.env import detect_env
-from ddp_amp.errors import CheckpointError, TrainingHalted, UsageError
+from ddp_amp.errors import CheckpointError, StoreUnreached, TrainingHalted, UsageError
 from ddp_amp.guards import exit_code_for
 from ddp_amp.metrics import RunLog, make_run_log
 from ddp_amp.parallel import meta_model
@@ -178,7 +178,9 @@ def main(argv: list[str] | None = None, exiting: bool = False) -> int:
             early.restore()
         if debug:
             raise
-        if rank == 0:  # every rank read the same input: one line is enough
+        # Every rank read the same input: one line is enough, rank 0's; but a rank that never
+        # reached the store whose host is rank 0 cannot count on rank 0 being there to say it.
+        if rank == 0 or isinstance(error, StoreUnreached):
             print(f"ddp_amp: error: {error}", file=sys.stderr)
         return 2
     try:

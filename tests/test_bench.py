@@ -20,7 +20,7 @@ import pytest
 from ddp_amp.bench import overhead, transformer
 from ddp_amp.bench.__main__ import check
 from ddp_amp.bench.targets import check_report, target_fields
-from ddp_amp.torch_api import SHARDING
+from ddp_amp.torch_api import GLOO_CONNECTS_LAZILY, SHARDING
 from tests.multiproc import REPO_ROOT, cli_env
 
 Run = tuple[subprocess.CompletedProcess[str], dict[str, Any]]
@@ -140,6 +140,9 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None
     assert scale_row["line"].startswith("ddp_amp: rank 15 went silent"), scale_row
     assert 0 <= scale_row["store_cpu_share"] < 1 and 0 <= scale_row["judge_cpu_share"] < 1
     assert scale_row["beats_per_s_asked"] == 14 / 0.5 and scale_row["beats_per_s"] > 0
+    # The store's descriptors: one a connection of the 14 emulated helpers, the 2 judges' and
+    # their helpers', the bench's own client.
+    assert 14 <= scale_row["store_fds"] <= 14 + 2 + 2 + 1, scale_row
     data = report["sections"]["data"]
     ours, theirs = data["tokenize"]["rows"]
     assert ours["contender"] == "ddp_amp" and theirs["contender"] == "datasets.map"
@@ -156,6 +159,17 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None
         small, large = report["sections"]["resume"]["rank_zero"]["rows"]
         assert (small["ranks"], large["ranks"]) == (4, 16) and small["save_ops"] == large["save_ops"] > 0
         assert small["resume_ops"] == large["resume_ops"] > 0 and "rank 0's share at N emulated ranks" in text
+        # What the reports' exchange carries does not grow with N, and no target is a time the
+        # machine's load decides: rank 0's targets are counts.
+        assert small["exchanged_bytes"] == large["exchanged_bytes"] == 1_028
+        checks = report["sections"]["resume"]["rank_zero"]["target_checks"]
+        assert len(checks) == 6 and not [check for check in checks if "time" in check["figure"]], checks
+        # The saves' own gloo group on 4 real ranks: each rank connects to its ring's two
+        # neighbours over a background save, not to every other rank (3 each before).
+        group = report["sections"]["resume"]["saves_group"]
+        assert group["ranks"] == 4 and group["saved"], group
+        if GLOO_CONNECTS_LAZILY:
+            assert group["opened"] == [2, 2, 2, 2] and group["meets_target"], group
 
 
 def test_check_lists_every_target_and_exits_1_exactly_when_one_is_missed(tiny_run: Run) -> None:

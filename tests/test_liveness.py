@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import os
+import random
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -20,7 +22,9 @@ from pathlib import Path
 from ddp_amp.checkpoint import verify_checkpoint
 from ddp_amp.checkpoint.discovery import checkpoint_root, list_step_dirs
 from ddp_amp.distributed import PeerWatch, Progress
-from ddp_amp.distributed.liveness import SILENCE_S, PeerTracker, rank_list, silent_line
+from ddp_amp.distributed.liveness import SILENCE_S, PeerTracker
+from ddp_amp.distributed.naming import rank_list, silent_line
+from ddp_amp.distributed.store_keys import failure_value, parse_failure
 from tests.multiproc import REPO_ROOT, child_pids, cli_env, free_port, is_running, run_ranks, run_train
 from tests.resume_harness import TASK
 
@@ -63,10 +67,18 @@ class Output:
         return "\n".join(line for _, line in self.lines)
 
 
-def _start(command: list[str]) -> tuple[subprocess.Popen[str], Output]:
+def _start(command: list[str], open_files: tuple[int, int] | None = None) -> tuple[subprocess.Popen[str], Output]:
+    """`command`'s process and its output; `open_files`: its soft and hard RLIMIT_NOFILE."""
+    limits = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, open_files)) if open_files else None
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(),
-                            cwd=REPO_ROOT)
+                            cwd=REPO_ROOT, preexec_fn=limits)
     return proc, Output(proc)
+
+
+def _lowered_soft_limit() -> tuple[int, int]:
+    """This process's hard open-file limit with a soft one below it."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return min(1024, hard // 2), hard
 
 
 def _wait_gone(pids: list[int], deadline: float, output: Output | None = None) -> None:
@@ -173,11 +185,15 @@ def test_a_rank_that_stops_answering_is_named_once_its_heartbeat_is_silent(tmp_p
     """SIGSTOP: the process is there, its heartbeat is not; as a rank on a lost node looks.
     Its own helper ends it once it is named, and torchrun reports it as the root cause
     (not the judge that ended first)."""
+    open_files = _lowered_soft_limit()
     proc, output = _start([*TORCHRUN, "-m", "ddp_amp.train", *CKPT, "--run-dir", str(tmp_path), "--task-opt",
                            "stop_at=20", "--task-opt", "kill_rank=1", "--dist-timeout", "120",
-                           "--peer-silence", str(STOPPED_SILENCE_S)])
+                           "--peer-silence", str(STOPPED_SILENCE_S)], open_files)
     try:
         started, _ = output.first(" start: fresh run")
+        # Started with a soft open-file limit under the hard one: torchrun's agent (the
+        # store's host) and each worker run at the hard one.
+        soft = {pid: resource.prlimit(pid, resource.RLIMIT_NOFILE)[0] for pid in [proc.pid, *child_pids(proc.pid)]}
         named, line = output.first("^ddp_amp: ")
         code = proc.wait(60)
     finally:
@@ -186,6 +202,7 @@ def test_a_rank_that_stops_answering_is_named_once_its_heartbeat_is_silent(tmp_p
     assert code != 0
     output.wait_closed(10)
     assert output.ours() == [line], output.text()[-3000:]
+    assert len(soft) == 3 and set(soft.values()) == {open_files[1]}, (open_files, soft)
     assert line.startswith("ddp_amp: rank 1 went silent (last heard at ") and "the other ranks reached step 20" in line
     # Its last heartbeat may come a poll (0.5 s) before the start line; silent from step 20 on.
     assert STOPPED_SILENCE_S - 1 < named - started < STOPPED_SILENCE_S + 10, named - started
@@ -265,6 +282,23 @@ def test_the_line_lists_ranks_and_steps_compactly() -> None:
     assert line.endswith("; the other ranks reached step 12")
 
 
+def test_the_line_and_the_failure_every_helper_reads_stay_small_at_16384_ranks() -> None:
+    """466 live ranks named among 16,384 at scattered places, at many steps: the line names
+    a few ranks and how many more, and the failure record in the store a few and the count."""
+    world = 16_384
+    draw = random.Random(0)
+    gone = sorted(draw.sample(range(2, world), 466))
+    steps: dict[int, int | None] = {rank: draw.choice([None, 4179, 4180, 4181, 4000 + rank % 97])
+                                    for rank in range(world)}
+    line = silent_line(gone, [], steps, [world - 1])
+    assert len(line) < 1_000, len(line)
+    assert line.startswith(f"ddp_amp: ranks {gone[0]}, {gone[1]}, {gone[2]}, {gone[3]} and 462 more went silent")
+    value = failure_value(0, line, gone, 0.0)
+    record = parse_failure(value)
+    assert len(value) < 2_000 and record["named"] == gone[:4] and record["count"] == 466, len(value)
+    assert len(failure_value(1, "x" * 200_000)) < 1_100  # a rank's own error, however long its text
+
+
 def test_the_tracker_judges_on_the_beats_alone() -> None:
     """A judge's view of four ranks, at times it is given: GONE is named at once, DONE never,
     an unchanged beat after the silence limit, and a rank with no beat only once a
@@ -289,12 +323,18 @@ def test_the_tracker_judges_on_the_beats_alone() -> None:
 def test_a_rank_holding_the_gil_past_the_silence_limit_is_not_named(tmp_path: Path) -> None:
     """Rank 1 spends three silence limits in one C call that keeps the GIL: every thread of
     its process pauses, its heartbeat helper (a process of its own) beats on, and the run
-    finishes with no rank named."""
+    finishes with no rank named. The store takes 8 beats a second at most here, so the 2
+    ranks' beats widen from 0.2 s to 0.25 s, and rank 0 says so once."""
     done = run_train([*CKPT[:-2], "--max-steps", "10", "--run-dir", str(tmp_path), "--task-opt", "gil_at=5",
                       "--task-opt", "gil_s=6", "--task-opt", "kill_rank=1", "--peer-poll", "0.2",
-                      "--peer-silence", "2"], nproc=2, timeout=300)
+                      "--peer-silence", "2", "--peer-beats-per-s", "8"], nproc=2, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
+    notices = [line for line in output.splitlines() if line.startswith("[ddp_amp] at 2 ranks")]
+    assert notices == ["[ddp_amp] at 2 ranks each rank beats every 0.25 s (not --peer-poll 0.2 s): the store "
+                       "receives at most --peer-beats-per-s 8 beats a second; a rank whose process ended is named "
+                       "within 0.45 s, a stopped or lost one in 1.75-2.5 s (raise --peer-beats-per-s for faster "
+                       "detection at that much more load on the store: docs/watching.md)"], output[-3000:]
     assert "went silent" not in output and "made no progress" not in output, output[-3000:]
     summary = re.search(r"summary: .*steps_taken=10 .*wall_s=([\d.]+)", output)
     assert summary and float(summary.group(1)) >= 6, output[-3000:]  # the 6 s with the GIL held are in it
@@ -326,6 +366,21 @@ def test_a_rank_hung_with_the_gil_held_ends_when_the_store_host_leaves_first(tmp
                                  "collective that timed out (--dist-timeout) on the others (a hang in its own code "
                                  "or I/O: data loading, a file system, a deadlock); the other ranks reached step 5"], \
         outputs[0].text()[-3000:]
+
+
+def test_a_store_host_whose_open_file_limit_is_too_low_for_the_ranks_is_refused_in_one_line(tmp_path: Path) -> None:
+    """torchrun's agent hosts the store with a hard limit of 200 open files, under the 262
+    that 2 ranks need (3 a rank plus 256): every rank stops before its group forms, one line."""
+    done = subprocess.run([*TORCHRUN, "-m", "ddp_amp.train", *MLP, "--max-steps", "1", "--run-dir", str(tmp_path)],
+                          capture_output=True, text=True, env=cli_env(), cwd=REPO_ROOT, timeout=120,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200)))
+    ours = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("ddp_amp: ")]
+    assert done.returncode != 0 and ours == [
+        "ddp_amp: error: open files of the store's host=200: expected at least 262 for 2 ranks (torchrun's agent at "
+        "localhost: 3 per rank, for torch's store client and the failure watch's heartbeat helper and stand-in, plus "
+        "256) (hint: raise the hard limit where the job starts (ulimit -Hn, nofile in /etc/security/limits.conf, "
+        "LimitNOFILE= of a systemd unit, srun --propagate=NOFILE); ddp_amp raises the soft limit to it)"], done.stderr
+    assert "exitcode  : 2" in done.stderr and not any(tmp_path.iterdir())
 
 
 def test_a_silence_limit_shorter_than_four_polls_is_refused_in_one_line(tmp_path: Path) -> None:

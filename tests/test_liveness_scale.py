@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_amp import Liveness, Session
+from ddp_amp.distributed.open_files import STORE_FDS_PER_RANK
 from ddp_amp.distributed.store_wire import WireClient
 from ddp_amp.distributed.spawn import run_ranks
 from tests.multiproc import REPO_ROOT, cli_env, free_port
@@ -34,15 +36,40 @@ LIMITS = Liveness(poll_s=0.25, silence_s=2.0)
 SPREAD_S = 3 * LIMITS.silence_s
 
 
-def _late_loop(ctx: object, world_size: int, slow_python: str) -> tuple[int, float, bool]:
+def _store_connections(port: int) -> int:
+    """The connections this process accepted on its store's `port` that are still open."""
+    sockets = {os.readlink(f"/proc/self/fd/{fd}")[8:-1] for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}") and os.readlink(f"/proc/self/fd/{fd}").startswith("socket:[")}
+    count = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[9] in sockets and fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                count += 1
+    return count
+
+
+def _late_loop(ctx: object, world_size: int, slow_python: str) -> tuple[int, float, bool, int]:
     """A user's loop whose data takes a different time to load on each rank, after the group
-    formed: the Sessions start up to SPREAD_S apart, then train a few steps together."""
+    formed: the Sessions start up to SPREAD_S apart, then train a few steps together. Rank 0,
+    the store's host, returns the most connections its store held while its session ran (0
+    elsewhere)."""
     from ddp_amp.distributed import DistContext
 
     assert isinstance(ctx, DistContext)
     time.sleep(SPREAD_S * ctx.rank / (world_size - 1))
     if ctx.rank == 0:
         sys.executable = slow_python  # the interpreter of the helper its session starts
+    most = [0]
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.wait(0.05):
+            most[0] = max(most[0], _store_connections(ctx.env.master_port))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    if ctx.rank == 0:
+        sampler.start()
     with Session("fp32", "cpu", liveness=LIMITS) as session:
         watch = session._watch  # the test's own look: this rank beats, and ranks 0 and 1 judge
         watched = watch is not None and watch.heart is not None and watch.judge == (ctx.rank in (0, 1))
@@ -56,7 +83,8 @@ def _late_loop(ctx: object, world_size: int, slow_python: str) -> tuple[int, flo
             session.backward(loss)
             session.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
-    return ctx.rank, float(loss), watched
+    sampling.set()
+    return ctx.rank, float(loss), watched, most[0]
 
 
 def test_eight_ranks_whose_sessions_start_three_silences_apart_complete_and_none_is_named(tmp_path: Path) -> None:
@@ -64,8 +92,14 @@ def test_eight_ranks_whose_sessions_start_three_silences_apart_complete_and_none
     slow_python.write_text(f"#!/bin/sh\nsleep {SPREAD_S}\nexec {sys.executable} \"$@\"\n")
     slow_python.chmod(0o755)
     results = run_ranks(_late_loop, 8, 8, str(slow_python), timeout=300)
-    assert [rank for rank, _, _ in results] == list(range(8))  # every rank finished; none was ended
-    assert all(watched for _, _, watched in results)  # and each was watched all along
+    assert [rank for rank, _, _, _ in results] == list(range(8))  # every rank finished; none was ended
+    assert all(watched for _, _, watched, _ in results)  # and each was watched all along
+    # What the store's host held at most: torch's client and the helper of each rank, the
+    # two judges, keepers standing in for helpers that start slowly or stopped: within the 3
+    # a rank that open_files.py counts on, plus the judges.
+    held = results[0][3]
+    assert 8 < held <= STORE_FDS_PER_RANK * 8 + 2, held
+    print(f"the store's host held at most {held} connections for 8 ranks")
 
 
 def test_a_rank_that_never_arrives_is_one_line_on_every_rank(tmp_path: Path) -> None:
@@ -84,6 +118,26 @@ def test_a_rank_that_never_arrives_is_one_line_on_every_rank(tmp_path: Path) -> 
     assert outputs[0].startswith("ddp_amp: error: --dist-timeout='2': expected every rank at the rendezvous within "
                                  "it (2 of 3 ranks joined") and outputs[0].count("\n") == 1, outputs[0]
     assert outputs[1] == "", outputs[1]
+
+
+def test_where_rank_0_hosts_the_store_and_never_arrives_every_rank_there_prints_the_one_line() -> None:
+    """Ranks 1 and 2 of three, started by hand (env://, as under srun): rank 0, which would
+    host the store, never starts. Each rank that is there says so in one line (no rank 0 is
+    there to say it for them) and exits 2."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "ddp_amp.train", "--task", "mlp", "--device", "cpu",
+                               "--max-steps", "1", "--dist-timeout", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
+                              env=cli_env(RANK=str(rank), WORLD_SIZE="3", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="3",
+                                          MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank in (1, 2)]
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [2, 2], outputs
+    for rank, output in zip((1, 2), outputs):
+        assert output.count("\n") == 1 and output.startswith(
+            f"ddp_amp: error: --dist-timeout='2': expected every rank at the rendezvous within it (rank {rank} could "
+            f"not reach the store at 127.0.0.1:{port}: "), output
+        assert "the store's host (rank 0) did not start" in output, output
 
 
 def test_the_wire_client_speaks_torchs_store_protocol() -> None:

@@ -13,7 +13,9 @@ by more than 5% misses its target: its figures would not be the real load's.
 After a warm-up longer than the silence limit (a live rank named by then is a false name),
 the last rank stops beating, as a rank whose node was lost, and the time to the judges' line
 is its detection time. The store's CPU, the rate achieved and each judge thread's CPU are
-measured over the warm-up's steady part.
+measured over the warm-up's steady part, and the store process's open descriptors then,
+less those it had before any rank connected: one a rank here (its helper's connection; a
+real rank adds torch's own client, and its keeper's while it stands in: open_files.py).
 
 The store listens on 127.0.0.1 over IPv4: its server looks up the name of every client that
 connects, and an IPv6-mapped address goes to DNS (on this machine, 5 s stalls every ~50
@@ -37,7 +39,7 @@ import torch.distributed as dist
 
 from ddp_amp.bench.targets import AT_MOST, target_fields
 from ddp_amp.distributed import watch
-from ddp_amp.distributed.liveness import SILENCE_S, Liveness, remember_prefix
+from ddp_amp.distributed.liveness import BEATS_PER_S, SILENCE_S, Liveness, remember_prefix
 from ddp_amp.env import DistEnv
 
 RANKS = (64, 512, 4096, 16384)
@@ -107,8 +109,8 @@ class Beaters:
             proc.wait()
 
 
-def _one(ranks: int, silence_s: float) -> dict[str, Any]:
-    limits = Liveness(silence_s=silence_s)
+def _one(ranks: int, silence_s: float, beats_per_s: float) -> dict[str, Any]:
+    limits = Liveness(silence_s=silence_s, beats_per_s=beats_per_s)
     beat_s, silence = limits.beat_s(ranks), limits.silence_for(ranks)
     server = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     lines: list[str] = []
@@ -116,6 +118,7 @@ def _one(ranks: int, silence_s: float) -> dict[str, Any]:
     beaters: Beaters | None = None
     try:
         port = int(server.stdout.readline())  # type: ignore[union-attr]  # a pipe
+        fds_before = _fds(server.pid)
         beaters = Beaters(port, ranks, beat_s)
         store = dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(seconds=60), wait_for_workers=False)
         prefixed = dist.PrefixStore(PREFIX, store)
@@ -130,7 +133,8 @@ def _one(ranks: int, silence_s: float) -> dict[str, Any]:
 
         watch._exit = caught
         dead = ranks - 1
-        judges = [watch.PeerWatch(prefixed, DistEnv(rank=r, world_size=ranks), silence_s=silence_s).start()
+        judges = [watch.PeerWatch(prefixed, DistEnv(rank=r, world_size=ranks), silence_s=silence_s,
+                                  beats_per_s=beats_per_s).start()
                   for r in (0, 1)]
         started = time.monotonic()
         kill_at = started + silence + WARM_AFTER_SILENCE_S
@@ -140,6 +144,7 @@ def _one(ranks: int, silence_s: float) -> dict[str, Any]:
         named.wait(max(0.0, kill_at - time.monotonic()))
         cpu1, t1, sent1 = _cpu_s(server.pid), time.monotonic(), beaters.sent()
         judged1 = [judge.judge_cpu_s for judge in judges]
+        fds = _fds(server.pid) - fds_before
         early = named.is_set()
         beaters.stop(dead)
         stopped = time.monotonic()
@@ -156,6 +161,7 @@ def _one(ranks: int, silence_s: float) -> dict[str, Any]:
         return {"ranks": ranks, "beat_s": beat_s, "silence_s": silence, "beats_per_s_asked": asked,
                 "beats_per_s": achieved, "store_cpu_share": share, "judge_cpu_share": judge_share,
                 "detection_s": detected, "false_names": len(false_names), "line": lines[0] if lines else "",
+                "store_fds": fds,
                 "target_checks": [
                     target_fields("live ranks named", len(false_names), 0),
                     target_fields("detection s", detected, DETECT_LIMIT_S),
@@ -170,6 +176,10 @@ def _one(ranks: int, silence_s: float) -> dict[str, Any]:
         server.wait()
 
 
+def _fds(pid: int) -> int:
+    return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+
+
 def _named(lines: list[str]) -> set[int]:
     found: set[int] = set()
     for line in lines:
@@ -180,25 +190,29 @@ def _named(lines: list[str]) -> set[int]:
     return found
 
 
-def run(ranks: tuple[int, ...] = RANKS, silence_s: float = SILENCE_S) -> dict[str, Any]:
+def run(ranks: tuple[int, ...] = RANKS, silence_s: float = SILENCE_S,
+        beats_per_s: float = BEATS_PER_S) -> dict[str, Any]:
     """Each size in turn; about twice the silence limit (at least four beat periods) each,
-    and the time its ranks take to connect."""
+    and the time its ranks take to connect. `beats_per_s`: the store's budget of beats a
+    second (`--peer-beats-per-s`)."""
     saved = watch._say, watch._exit
     try:
-        return {"rows": [_one(n, silence_s) for n in ranks], "silence_s": silence_s,
+        return {"rows": [_one(n, silence_s, beats_per_s) for n in ranks], "silence_s": silence_s,
+                "beats_per_s": beats_per_s,
                 "beater_processes": BEATER_PROCESSES, "host": socket.gethostname()}
     finally:
         watch._say, watch._exit = saved
 
 
 def scale_table(section: dict[str, Any]) -> str:
-    head = (f"liveness at scale (--peer-silence {section['silence_s']} s; ranks 2..N-1 emulated with a connection "
-            f"each, over {section['beater_processes']} processes)")
+    head = (f"liveness at scale (--peer-silence {section['silence_s']} s, --peer-beats-per-s "
+            f"{section['beats_per_s']:,.0f}; ranks 2..N-1 emulated with a connection each, over "
+            f"{section['beater_processes']} processes)")
     rows = [f"{'ranks':>7} {'beat':>6} {'silence':>8} {'beats/s asked':>14} {'achieved':>9} {'store CPU':>10} "
-            f"{'judge CPU':>10} {'detected':>9} {'false names':>12}"]
+            f"{'judge CPU':>10} {'detected':>9} {'false names':>12} {'store fds':>10}"]
     for row in section["rows"]:
         detected = "never" if row["detection_s"] is None else f"{row['detection_s']:.1f} s"
         rows.append(f"{row['ranks']:>7} {row['beat_s']:>5.2f}s {row['silence_s']:>7.1f}s "
                     f"{row['beats_per_s_asked']:>14.0f} {row['beats_per_s']:>9.0f} {row['store_cpu_share']:>9.1%} "
-                    f"{row['judge_cpu_share']:>9.2%} {detected:>9} {row['false_names']:>12}")
+                    f"{row['judge_cpu_share']:>9.2%} {detected:>9} {row['false_names']:>12} {row['store_fds']:>10,}")
     return "\n".join([head, *rows])

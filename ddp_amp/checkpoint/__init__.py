@@ -13,12 +13,13 @@
   deleting its own files of them in the background;
 - `manifest`: sizes and sha256 of rank 0's files and a digest over every rank's record, so a
   torn checkpoint is told from a whole one; `verify`: all of it in one process, or on resume
-  each rank its share (what it reads), agreed through one gather of fixed-size reports;
+  each rank its share (what it reads), agreed through one exchange of fixed-size reports;
 - `rank_files`: each rank's own files (its RNG file, its record of what it wrote), written
   and hashed by that rank (`hashed_write`, and `shard_writer` for its DCP shards);
   `rank_values`: each rank's own values of the per-rank entries, written and read back by
   that rank alone;
-  `rank_reports`: the one gather of fixed-size reports that tells rank 0 they are whole;
+  `rank_reports`: the one exchange of fixed-size reports (all-reduces) that tells rank 0
+  they are whole;
 - `best`: the pointer to the best checkpoint by an eval metric, which retention keeps;
 - `discovery`: `step-N` layout, the newest complete checkpoint, `--resume auto|none|PATH`;
 - `safe_types`: what a checkpoint may hold and the restricted loader that reads it back;

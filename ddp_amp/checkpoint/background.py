@@ -5,10 +5,12 @@ rank captures its RNG state; rank 0 checks that every value will load back, copi
 off the device (`staging.HostStaging`: the next optimizer step changes the live tensors in
 place) and makes the scratch directory, whose path every rank learns; a sharded state's
 write starts (DCP's async save). Then a writer thread on every rank writes that rank's own
-files, and the ranks' reports are gathered over a process group of the saves' own (training's
-collectives go on meanwhile); rank 0's thread commits with the synchronous save's own steps
-(`save.commit_reported`, `save.commit_outcome`), so the commit protocol, the manifest and
-retention are the same in both modes.
+files, and the ranks' reports are exchanged over a process group of the saves' own
+(training's collectives go on meanwhile; gloo, connecting each pair of ranks only where a
+collective joins them: an all-reduce, a ring, joins each rank to two); rank 0's thread
+commits with the synchronous save's own steps (`save.commit_reported`,
+`save.commit_outcome`), so the commit protocol, the manifest and retention are the same in
+both modes.
 
 At most one write is in flight. `wait` (collective) joins it on every rank and tells every
 rank its outcome through `distributed.on_rank_zero`, so a failed background write reaches every
@@ -37,7 +39,7 @@ import torch
 from ddp_amp.checkpoint.manifest import SHARDED_DIR
 from ddp_amp.checkpoint.meta import Meta
 from ddp_amp.checkpoint.rank_files import write_own_files
-from ddp_amp.checkpoint.rank_reports import gather_reports
+from ddp_amp.checkpoint.rank_reports import exchange_reports
 from ddp_amp.checkpoint.retention import Retention
 from ddp_amp.checkpoint.rng import capture_rng
 from ddp_amp.checkpoint.save import Committed, commit_outcome, commit_reported, prepare, scratch_folders, this_rank
@@ -137,7 +139,7 @@ class BackgroundSaver:
             if retention is not None:
                 retention.wait()  # this rank's files of what the last commit retired are gone before it reports
             report = write_own_files(scratch, rank, rng_state, shards.records if shards is not None else None, values)
-            reports = gather_reports(report, torch.device("cpu"), group)  # the saves' group: gloo, on the CPU
+            reports = exchange_reports(report, torch.device("cpu"), group)  # the saves' group: gloo, on the CPU
             if reports is None:  # not rank 0: rank 0 commits
                 return None
             return commit_reported(target, scratch, reports, contents,

@@ -45,7 +45,7 @@ from ddp_amp.checkpoint.sharded_state import dcp_form, put_back, restore_full, s
 from ddp_amp.checkpoint.verify import agree_on
 from ddp_amp.distributed import DistContext, mark_agreed, on_rank_zero
 from ddp_amp.errors import UsageError
-from ddp_amp.torch_api import tree_map
+from ddp_amp.torch_api import lazily_connected_gloo, tree_map
 
 T = TypeVar("T")
 
@@ -88,13 +88,16 @@ class Checkpointer:
     def _save_group(self) -> dist.ProcessGroup | None:
         """The process group background saves talk over (made once, collective): one of
         their own, on gloo, since training's collectives go on while they write; None
-        without a process group."""
+        without a process group. It connects a pair of ranks only when a collective first
+        joins them (an all-reduce's ring: two peers a rank), not every pair as it forms
+        (16,383 connections a rank at 16,384 ranks: `torch_api.lazily_connected_gloo`)."""
         if self._group is None and dist.is_initialized():
             if not dist.is_gloo_available():
                 raise UsageError("--async-checkpoint", "on", "a torch with the gloo backend, which background saves "
                                  "talk over beside training", "this torch has none: save synchronously (drop "
                                  "--async-checkpoint, or background=False)")
-            self._group = dist.new_group(backend="gloo")
+            with lazily_connected_gloo():
+                self._group = dist.new_group(backend="gloo")
         return self._group
 
     @property

@@ -66,7 +66,7 @@ def write_own_files(scratch: Path, rank: int, rng_state: dict[str, Any],
     """Write this rank's part of a checkpoint into `scratch` (its shards through `shards()`,
     which returns their records, then its RNG file, its per-rank `values` where given, then
     its record), each file hashed as it is written; return its report for rank 0
-    (`encode_report`). A failure is reported, not raised: every rank must reach the gather
+    (`encode_report`). A failure is reported, not raised: every rank must reach the exchange
     that follows."""
     try:
         written = dict(shards()) if shards is not None else {}

@@ -10,7 +10,7 @@ deleting its own files of them, so nothing rank 0 does for it grows with the num
    rank. A checkpoint of more ranks than there are now is split as verification splits it:
    rank r of W takes the records of the saved ranks r, r + W, ...
 3. Every rank lets its deletion end before it reports its part of the next save, so once
-   rank 0 has gathered the reports, no rank's files are left in the checkpoints retired
+   rank 0 has the exchanged reports, no rank's files are left in the checkpoints retired
    before; rank 0's thread then removes what is left of them (rank 0's files, the empty
    folders, the directory: the same few entries at any world size). At the end of a
    session (`end`, no collective there) rank 0 removes what is left of the last ones

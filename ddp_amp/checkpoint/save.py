@@ -6,13 +6,13 @@
 2. Every rank writes its own files into it (rank_files.py): its DCP shards where the state
    is sharded, its RNG file, its values of the per-rank entries (rank_values.py) and its
    record, each hashed as it is written.
-3. One gather of fixed-size reports (rank_reports.py) tells rank 0 that every rank's files
-   are whole, or why one is not; rank 0 writes its files and the manifest and renames the
-   directory into place (commit.py), and every rank learns the committed path or why there
-   is none, and which checkpoints retention retired, to delete its own files of them
-   (retention.py).
-Rank 0's work does not grow with the number of ranks, apart from that gather: it lists no
-folder the ranks write into and reads none of their files. No rank carries on believing a
+3. One exchange of fixed-size reports (rank_reports.py: all-reduces, no fan-in to rank 0)
+   tells rank 0 that every rank's files are whole, or why one is not; rank 0 writes its
+   files and the manifest and renames the directory into place (commit.py), and every rank
+   learns the committed path or why there is none, and which checkpoints retention
+   retired, to delete its own files of them (retention.py).
+Rank 0's work does not grow with the number of ranks: it lists no folder the ranks write
+into, reads none of their files, and receives a fixed-size sum of their reports. No rank carries on believing a
 checkpoint exists that does not, and no rank waits on a rank 0 that failed. `background.py`
 runs steps 2 and 3 in a writer thread on every rank (`--async-checkpoint`).
 
@@ -38,7 +38,7 @@ from ddp_amp.checkpoint.discovery import list_step_dirs
 from ddp_amp.checkpoint.manifest import MANIFEST_NAME, SHARDED_DIR, FileRecord, RanksRecord
 from ddp_amp.checkpoint.meta import META_FILE, Meta
 from ddp_amp.checkpoint.rank_files import OWN_FOLDERS, write_own_files
-from ddp_amp.checkpoint.rank_reports import Reports, gather_reports
+from ddp_amp.checkpoint.rank_reports import Reports, exchange_reports
 from ddp_amp.checkpoint.rank_values import PER_RANK_DIR
 from ddp_amp.checkpoint.retention import Retention
 from ddp_amp.checkpoint.rng import capture_rng
@@ -144,12 +144,12 @@ def commit_reported(target: Path, scratch: Path, reports: Reports | None, conten
                     shared: dict[str, FileRecord], folders: tuple[str, ...], keep_last: int,
                     retention: Retention | None, outcome: Callable[..., Outcome] = commit_outcome) -> Committed:
     """Rank 0: commit `scratch` as `target` once every rank reported its own files whole
-    (`reports`, gathered), with rank 0's `contents` and the `shared` files written there
+    (`reports`, exchanged), with rank 0's `contents` and the `shared` files written there
     already (the shards' map); through `outcome` (`commit_outcome`). A rank's failure
     removes the scratch directory and is the outcome. `keep_last` and `retention` as for
     `commit_checkpoint`; the outcome names what `retention` retired."""
     if reports is None:
-        raise RuntimeError("only rank 0 commits a checkpoint: it alone holds the gathered reports")
+        raise RuntimeError("only rank 0 commits a checkpoint: it alone holds the exchanged reports")
     failed = reports.first_failure()
     if failed is not None:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -188,7 +188,7 @@ def save_checkpoint(target: Path, files: dict[str, Any], meta: Meta, device: tor
     shards = partial(write_shards, writer, sharded) if writer is not None and sharded is not None else None
     if retention is not None:
         retention.wait()  # this rank's files of what the last commit retired are gone before it reports
-    reports = gather_reports(write_own_files(scratch, this_rank(), capture_rng(device), shards, values), device)
+    reports = exchange_reports(write_own_files(scratch, this_rank(), capture_rng(device), shards, values), device)
     path, failure, retired = on_rank_zero(lambda: commit_reported(
         target, scratch, reports, contents, writer.map_record() if writer is not None else {}, folders, keep_last,
         retention))

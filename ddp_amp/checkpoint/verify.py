@@ -15,10 +15,11 @@ that grows with the number of ranks:
 - rank r of W checks the records of the saved ranks r, r + W, r + 2W ... (on as many ranks
   as saved it, its own), their files and the map's entries for their shards, and folds
   their leaves, so every record and shard file is checked by exactly one rank;
-- one gather of fixed-size reports (rank_reports.py) brings rank 0 each rank's fold, or why
-  it failed; rank 0 compares the XOR of the folds with the manifest's digest and tells every
-  rank the outcome. A file any rank finds altered makes every rank skip that checkpoint for
-  an older one (`--resume auto`) or refuse it (a named PATH), alike.
+- one exchange of fixed-size reports (rank_reports.py: all-reduces, no fan-in to rank 0)
+  brings rank 0 the XOR of every rank's fold, or the first rank's failure; rank 0 compares
+  that XOR with the manifest's digest and tells every rank the outcome. A file any rank
+  finds altered makes every rank skip that checkpoint for an older one (`--resume auto`)
+  or refuse it (a named PATH), alike.
 A checkpoint of format 1 (every rank's files listed in the manifest) is checked as before:
 rank 0 checks that every listed file is there with its size, and each rank hashes the
 replicated files, its own RNG file and its own shards.
@@ -39,7 +40,7 @@ import torch
 from ddp_amp.checkpoint.manifest import (LISTING_FORMAT, FileRecord, IncompleteCheckpoint, check_listed_file,
                                          check_shard_map, ranks_record, read_manifest)
 from ddp_amp.checkpoint.rank_files import NO_LEAF, fold, read_record, record_name
-from ddp_amp.checkpoint.rank_reports import Reports, encode_report, gather_reports
+from ddp_amp.checkpoint.rank_reports import Reports, encode_report, exchange_reports
 from ddp_amp.distributed import on_rank_zero
 
 _SHARD = re.compile(r"^sharded/__(\d+)_\d+\.distcp$")
@@ -164,10 +165,10 @@ def check_own_files(directory: Path, rank: int, world_size: int) -> OwnCheck:
 
 
 def verdict(directory: Path, own: OwnCheck, reports: Reports | None) -> str | None:
-    """Rank 0, once every rank's share is gathered: why `directory` is not complete (the lowest
+    """Rank 0, once every rank's share is exchanged: why `directory` is not complete (the lowest
     rank's failure, or the folds against the manifest's digest), or None where it is."""
     if reports is None:
-        raise RuntimeError("only rank 0 decides a checkpoint's check: it alone holds the gathered reports")
+        raise RuntimeError("only rank 0 decides a checkpoint's check: it alone holds the exchanged reports")
     failure = reports.first_failure()
     if failure is not None or own.manifest is None or own.manifest["format"] == LISTING_FORMAT:
         return failure
@@ -185,7 +186,7 @@ def agree_on(candidates: list[Path], rank: int, world_size: int, warn: Callable[
         if path in verified:
             return path, reason
         own = check_own_files(path, rank, world_size)
-        reports = gather_reports(encode_report(own.fold, own.failure or ""), device)
+        reports = exchange_reports(encode_report(own.fold, own.failure or ""), device)
         failure = on_rank_zero(partial(verdict, path, own, reports))
         if failure is None:
             verified.add(path)

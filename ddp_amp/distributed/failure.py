@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddp_amp.distributed.store_keys import FAILURE_KEY, announce
+from ddp_amp.distributed.store_keys import FAILURE_KEY, announce, failure_value
 
 EXIT_PEER_FAILED = 1
 
@@ -49,8 +49,8 @@ def claim_failure(store: dist.Store, rank: int, message: str) -> bool:
     """Publish `message` as the job's failure unless one is there already, and wake every
     rank's helper with the news (store_keys.py); True where this call published it (raises
     where the store cannot be reached)."""
-    value = json.dumps({"rank": rank, "message": message})
-    claimed = bytes(store.compare_set(FAILURE_KEY, "", value)) == value.encode()
+    value = failure_value(rank, message)  # bounded: every rank's helper reads it
+    claimed = bytes(store.compare_set(FAILURE_KEY, "", value.decode())) == value
     if claimed:
         announce(store)
     return claimed

@@ -25,9 +25,10 @@ from ddp_amp.distributed.device import DeviceChoice, resolve_device
 from ddp_amp.distributed.held_stderr import HeldStderr
 from ddp_amp.distributed.launcher import check_launcher_store
 from ddp_amp.distributed.liveness import Liveness, Progress, remember_prefix
+from ddp_amp.distributed.open_files import agree_open_files, raise_open_files
 from ddp_amp.distributed.watch import start_heart, stop_watches
 from ddp_amp.env import DistEnv
-from ddp_amp.errors import UsageError
+from ddp_amp.errors import StoreUnreached, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -177,23 +178,45 @@ def resolve_backend(choice: BackendChoice, device: torch.device) -> str:
 
 def _open_store(env: DistEnv, timeout: timedelta) -> dist.Store:
     check_launcher_store(env)  # a launcher killed while this worker started: no 600 s of retries
+    raise_open_files(env)  # the store's host holds up to 3 descriptors a rank (open_files.py)
     is_server = env.rank == 0 and not env.agent_hosts_store
     # Every rank passes wait_for_workers=True: that is what registers a client with the
     # server's worker count (the server alone then blocks until all have joined).
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_server,
-                          timeout=timeout, wait_for_workers=True)
+    try:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_server,
+                              timeout=timeout, wait_for_workers=True)
+    except (dist.DistStoreError, dist.DistNetworkError) as error:
+        if is_server:
+            raise
+        raise _NeverReached(error) from error
     # After a torchrun restart the agent's store still holds the keys of the failed
     # attempt; re-forming gloo on them failed or hung in 5 of 8 tries, and a fresh prefix
     # per attempt gave each attempt clean keys: 8 of 8 (docs/facts.md, torchrun restarts).
     prefix = f"ddp_amp/attempt_{env.restart_count}"
     prefixed = dist.PrefixStore(prefix, store)
     remember_prefix(prefixed, prefix)
+    agree_open_files(prefixed, env)  # a store host that would run out of descriptors: refused on every rank
     return prefixed
 
 
+class _NeverReached(Exception):
+    """This rank's client never connected to the store: its host never came."""
+
+
 def _late(env: DistEnv, timeout: timedelta, error: Exception) -> UsageError:
-    """The one line for ranks that did not all reach the rendezvous within the timeout."""
+    """The one line for ranks that did not all reach the rendezvous within the timeout;
+    a StoreUnreached, printed by every rank that raises it, where this rank never reached
+    the store (its host, rank 0 under srun or env://, never came: nobody else can say it)."""
+    reached = not isinstance(error, _NeverReached)
+    error = error if reached else error.args[0]
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if not reached:
+        host = "torchrun's agent" if env.agent_hosts_store else "rank 0"
+        return StoreUnreached("--dist-timeout", f"{timeout.total_seconds():g}",
+                              f"every rank at the rendezvous within it (rank {env.rank} could not reach the store "
+                              f"at {env.master_addr}:{env.master_port}: {text})",
+                              f"the store's host ({host}) did not start, or not at that address: look at its "
+                              "output, or raise --dist-timeout")
     joined = re.search(r"(\d+)/(\d+) clients joined", text)
     who = (f"{joined.group(1)} of {joined.group(2)} ranks joined" if joined
            else f"rank {env.rank} could not reach the store at {env.master_addr}:{env.master_port}")
@@ -251,7 +274,7 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
             per_device = f"cuda:{chosen},cpu:gloo" if host_collectives and chosen == "nccl" else chosen
             dist.init_process_group(per_device, store=store, rank=env.rank, world_size=env.world_size,
                                     timeout=timeout)
-        except (dist.DistStoreError, dist.DistNetworkError) as error:
+        except (dist.DistStoreError, dist.DistNetworkError, _NeverReached) as error:
             if held is not None:
                 held.drop_c10d()
             raise _late(env, timeout, error) from None

@@ -3,12 +3,17 @@ its news, and keep the rank's beats going when the helper does not beat.
 
 A helper can fail its rank without ending: its interpreter slow to start (a shared file
 system under load), the process stopped (SIGSTOP), stuck in the kernel (D state) or
-starved. Its beats would stop while the rank is well, and a judge would name a live rank on
-evidence about the helper. So a keeper thread of the rank looks every poll at when the
-helper last went round its loop (the page they share):
-- quiet for a beat period and two polls, the keeper beats in its place, at the beat
-  period, from a connection of its own: the rank's own thread runs, which is evidence about
-  the rank (a rank whose threads cannot run, with a helper that cannot beat, is named);
+starved, or looping but unable to connect (a store host out of descriptors refuses some
+connections and not others). Its beats would stop while the rank is well, and a judge would
+name a live rank on evidence about the helper. So a keeper thread of the rank looks every
+poll at the page they share: when the helper last sent a beat, and when it last went round
+its loop:
+- no beat sent for a beat period and two polls (whether or not the helper loops), the
+  keeper beats in its place, at the beat period, from a connection of its own: the rank's
+  own thread runs, which is evidence about the rank (a rank whose threads cannot run, with
+  a helper that cannot beat, is named); once the helper's beats are sent again, the keeper
+  closes that connection (each is a descriptor of the store's host), and where it cannot
+  connect either, it tries again after a growing delay (store_wire.reconnect_delay);
 - a helper that looped and then stopped for RESTART_AFTER_BEATS beat periods is ended and a
   new one started (one that has not looped yet is left to start: a new one would start as
   slowly), and so is a helper that ended (the OOM killer).
@@ -28,9 +33,9 @@ import threading
 import time
 from pathlib import Path
 
-from ddp_amp.distributed.heartbeat import END, PAGE, read_step
+from ddp_amp.distributed.heartbeat import END, PAGE, RECONNECT_BEATS, read_step
 from ddp_amp.distributed.store_keys import BEAT_KEY, RUNNING, beat
-from ddp_amp.distributed.store_wire import WireClient
+from ddp_amp.distributed.store_wire import WireClient, reconnect_delay
 
 HELPER = Path(__file__).with_name("heartbeat.py")
 RESTART_AFTER_BEATS = 4  # beat periods (plus polls) a helper that looped before may stay quiet
@@ -46,7 +51,7 @@ def _shared_page() -> tuple[int, mmap.mmap]:
             fd = os.dup(handle.fileno())
     os.ftruncate(fd, PAGE.size)
     page = mmap.mmap(fd, PAGE.size)
-    PAGE.pack_into(page, 0, -1, 0.0)
+    PAGE.pack_into(page, 0, -1, 0.0, 0.0)
     return fd, page
 
 
@@ -65,6 +70,7 @@ class Heart:
         self._stopping = threading.Event()
         self._stand_in: WireClient | None = None
         self._stood_in = 0
+        self._failed_stand_ins = 0
         self._next_stand_in = 0.0
         self.proc = self._spawn()
         self._keeper = threading.Thread(target=self._keep, name="ddp_amp-heart-keeper", daemon=True)
@@ -116,26 +122,35 @@ class Heart:
             self._look(time.monotonic())
 
     def quiet_s(self, now: float) -> float:
-        """How long the current helper has not gone round its loop (since its start, where
-        it has not yet)."""
-        return now - max(PAGE.unpack_from(self.page, 0)[1], self._spawned_at)
+        """How long the current helper has sent no beat (since its start, where it has sent
+        none yet), whether or not it goes round its loop."""
+        return now - max(PAGE.unpack_from(self.page, 0)[2], self._spawned_at)
 
     def _look(self, now: float) -> None:
         with self._lock:
             if self._stopping.is_set():
                 return
-            looped = PAGE.unpack_from(self.page, 0)[1] >= self._spawned_at
-            quiet = self.quiet_s(now)
-            if self.proc.poll() is not None or (looped and quiet > RESTART_AFTER_BEATS * self.beat_s
+            _, tick, _ = PAGE.unpack_from(self.page, 0)
+            looped = tick >= self._spawned_at
+            if self.proc.poll() is not None or (looped and now - tick > RESTART_AFTER_BEATS * self.beat_s
                                                 + 4 * self.poll_s):
                 with contextlib.suppress(OSError):
                     self.proc.kill()  # not waited for: one stuck in the kernel ends when it leaves
                 self.proc = self._spawn()
-        if quiet > self.beat_s + 2 * self.poll_s and now >= self._next_stand_in:
+            quiet = self.quiet_s(now)
+        if quiet <= self.beat_s + 2 * self.poll_s:
+            if self._stand_in is not None:  # the helper's beats are sent again: its descriptor back
+                self._stand_in.close()
+                self._stand_in = None
+        elif now >= self._next_stand_in:
             self._next_stand_in = now + self.beat_s
-            self._beat_for_helper(self._state)
+            if not self._beat_for_helper(self._state):
+                self._failed_stand_ins += 1
+                self._next_stand_in = now + reconnect_delay(self._failed_stand_ins, self.beat_s,
+                                                            RECONNECT_BEATS * self.beat_s)
 
-    def _beat_for_helper(self, state: str) -> None:
+    def _beat_for_helper(self, state: str) -> bool:
+        """One beat in the helper's place; False where the store could not be reached."""
         try:
             if self._stand_in is None:
                 self._stand_in = WireClient(*self.route)
@@ -145,6 +160,9 @@ class Heart:
             if self._stand_in is not None:
                 self._stand_in.close()
             self._stand_in = None
+            return False
+        self._failed_stand_ins = 0
+        return True
 
     # -- the end --------------------------------------------------------------------------
 

@@ -14,12 +14,20 @@ and
    that stopped looping) and, every beat period, writes the beat: one `set` with the
    rank's last finished step (read from that page: the training loop writes it there, no
    thread of the rank needs to run) and the state the rank last told it (a line on its
-   stdin, written by the rank's watch thread); a new state goes out at once. Its stdin
+   stdin, written by the rank's watch thread); a new state goes out at once. Each beat
+   sent is marked on the page too: the keeper stands in for a helper that loops but whose
+   beats do not land (it cannot connect: a store host out of descriptors). A connection
+   that failed is tried again after a delay that doubles from a poll up to RECONNECT_BEATS
+   beat periods, each drawn between half and all of it: hundreds of helpers that cannot
+   connect would otherwise try every poll, together. Its stdin
    closing without a last "end" line means the rank's process is exiting: GONE, as above;
 3. holds a WAIT for the job's next news (store_keys.py): a failure published, or the
    store's host done. It reads the verdict when woken and passes it to the rank on its
-   stdout: `F <failure>`, `H` (the host finished: its store going away is no failure),
-   `L` (the store refuses connections: its host is gone).
+   stdout: `F <rank that failed>`, `H` (the host finished: its store going away is no
+   failure), `L` (the store refuses connections: its host is gone). Its stdout does not
+   block: a rank hung with the GIL held reads none of it, and a write into its full pipe
+   would stand between the helper and the SIGKILL below; each line is a few bytes, under
+   the pipe's atomic size, so it goes whole or not at all.
 A rank that a judge named is ended by its own helper at once (SIGKILL), after writing
 torchrun's error file with the judge's line and when the evidence began: torchrun then
 reports the named rank as the root cause, not the judge that ended first. A rank that
@@ -49,9 +57,10 @@ from typing import Any
 KILL_GRACE_S = 10.0  # the rank's own watch exits within a poll; longer means it cannot run
 STORE_DOWN_POLLS = 3  # consecutive polls the store refused connections: its host is gone
 # The page both processes map: the rank's last finished step (int64, written by the rank),
-# then the helper's last loop (a monotonic time, written here).
-PAGE = struct.Struct("<qd")
-TICK_AT = 8
+# then the helper's last loop and its last beat sent (monotonic times, written here).
+PAGE = struct.Struct("<qdd")
+TICK_AT, BEAT_AT = 8, 16
+RECONNECT_BEATS = 4  # the longest wait between two tries to connect, in beat periods
 END = "end"  # the rank's last line: its state before it is final
 
 
@@ -83,6 +92,7 @@ class Helper:
         self.state, self.sent_state, self.pending = self.keys.RUNNING, "", b""
         self.eof = self.ending = False
         self.next_beat, self.down = 0.0, 0
+        self.failed_connects, self.next_connect = 0, 0.0
         self.failure, self.host_done, self.told_host_done = b"", False, False
         self.failure_at: float | None = None
         self.record: dict[str, Any] = {}
@@ -92,6 +102,7 @@ class Helper:
         # A launcher's SIGTERM to the worker's process group (torchrun's teardown) is the
         # rank's to handle: this process ends with it, after its last word.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.set_blocking(1, False)  # the rank may never read: news must not block the loop
         while True:
             now = time.monotonic()
             struct.pack_into("<d", self.page, TICK_AT, now)
@@ -107,7 +118,7 @@ class Helper:
                         self._connect()
                     self._beat(self.keys.GONE)
                 return
-            if self.client is None:
+            if self.client is None and now >= self.next_connect:
                 self._connect()
             if parent not in ("T", "t") and (now >= self.next_beat or self.state != self.sent_state):
                 self._beat(self.state)
@@ -135,12 +146,19 @@ class Helper:
         try:
             self.client = self.wire.WireClient(*self.address, self.prefix)
             self._hear()
-            self.down = 0
+            self.down = self.failed_connects = 0
+            return
         except ConnectionRefusedError:
-            self.client = None
             self.down += 1
         except OSError:
-            self.client = None
+            pass
+        if self.client is not None:
+            with contextlib.suppress(OSError):
+                self.client.close()
+        self.client = None
+        self.failed_connects += 1
+        self.next_connect = time.monotonic() + self.wire.reconnect_delay(
+            self.failed_connects, self.poll_s, RECONNECT_BEATS * self.beat_s)
 
     def _hear(self) -> None:
         """Read the verdict and wait for the next news (a WAIT the store answers later)."""
@@ -158,6 +176,7 @@ class Helper:
         try:
             self.client.set(f"{self.keys.BEAT_KEY}{self.rank}", value)
             self.sent_state = state
+            struct.pack_into("<d", self.page, BEAT_AT, time.monotonic())
         except OSError:
             self._lost()
 
@@ -201,7 +220,7 @@ class Helper:
                 _leave_error_file(self.record)
                 os.kill(self.parent, signal.SIGKILL)
                 return True
-            _tell(b"F " + self.failure)
+            _tell(b"F %d" % _int(self.record.get("rank")))
         if self.host_done and not self.told_host_done:
             self.told_host_done = True
             _tell(b"H")
@@ -232,9 +251,13 @@ def _leave_error_file(record: dict[str, Any]) -> None:
             "py_callstack": message, "timestamp": str(when)}}}))
 
 
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) else -1
+
+
 def _tell(news: bytes) -> None:
-    with contextlib.suppress(OSError):  # the rank is gone or stopped reading
-        os.write(1, news.replace(b"\n", b" ") + b"\n")
+    with contextlib.suppress(OSError):  # the rank is gone, or stopped reading and its pipe is full
+        os.write(1, news + b"\n")
 
 
 if __name__ == "__main__":

@@ -64,11 +64,14 @@ _TIMEOUT_WORDS = ("timed out", "timeout")
 
 @dataclass(frozen=True)
 class Liveness:
-    """How often each rank beats and how long a peer may be silent: the defaults are above;
-    `--peer-poll` and `--peer-silence` set them for a run."""
+    """How often each rank beats, how long a peer may be silent, and how many beats a second
+    the store receives at most: the defaults are above; `--peer-poll`, `--peer-silence` and
+    `--peer-beats-per-s` set them for a run. Above `beats_per_s * poll_s` ranks the beats
+    widen (`beat_s`) and so may the silence limit (`silence_for`): `notice` says so."""
 
     poll_s: float = POLL_S
     silence_s: float = SILENCE_S
+    beats_per_s: float = BEATS_PER_S
 
     def check(self) -> None:
         """One line where the silence limit does not span several polls: a beat or two late
@@ -77,15 +80,44 @@ class Liveness:
             raise UsageError("--peer-silence", self.silence_s,
                              f"at least 4 polls ({4 * self.poll_s:g} s at --peer-poll {self.poll_s:g})",
                              "raise --peer-silence or lower --peer-poll")
+        if not self.beats_per_s > 0:
+            raise UsageError("--peer-beats-per-s", self.beats_per_s, "a number of beats > 0", f"e.g. {BEATS_PER_S:g}")
 
     def beat_s(self, world_size: int) -> float:
         """Seconds between two beats of a rank in a world of `world_size`: the poll, or longer
-        where the world would send the store more than BEATS_PER_S beats a second."""
-        return max(self.poll_s, world_size / BEATS_PER_S)
+        where the world would send the store more than `beats_per_s` beats a second."""
+        return max(self.poll_s, world_size / self.beats_per_s)
 
     def silence_for(self, world_size: int) -> float:
         """The silence limit in a world of `world_size`: at least four beat periods."""
         return max(self.silence_s, 4 * self.beat_s(world_size))
+
+    def detection(self, world_size: int) -> tuple[float, float, float]:
+        """How long until a rank is named in a world of `world_size`: at most for one whose
+        process ended (its helper's GONE goes out within a poll, a judge reads every beat
+        period), and at least and at most for one that went silent (its last beat came up to
+        a beat period before it stopped; a judge reads every beat period, and reads again
+        before it names)."""
+        beat, silence = self.beat_s(world_size), self.silence_for(world_size)
+        return self.poll_s + beat, silence - beat, silence + 2 * beat
+
+    def notice(self, world_size: int) -> str | None:
+        """One line where `world_size` widens the poll or the silence limit past the ones
+        set, with the detection times that follow and the option that trades them for store
+        load; None where nothing is widened."""
+        beat, silence = self.beat_s(world_size), self.silence_for(world_size)
+        widened = []
+        if beat > self.poll_s:
+            widened.append(f"beats every {beat:g} s (not --peer-poll {self.poll_s:g} s)")
+        if silence > self.silence_s:
+            widened.append(f"is named silent after {silence:g} s of silence (not --peer-silence {self.silence_s:g} s)")
+        if not widened:
+            return None
+        killed, fastest, slowest = self.detection(world_size)
+        return (f"[ddp_amp] at {world_size:,} ranks each rank {' and '.join(widened)}: the store receives at most "
+                f"--peer-beats-per-s {self.beats_per_s:,.0f} beats a second; a rank whose process ended is named "
+                f"within {killed:g} s, a stopped or lost one in {fastest:g}-{slowest:g} s (raise "
+                "--peer-beats-per-s for faster detection at that much more load on the store: docs/watching.md)")
 
 
 class Progress:
@@ -256,58 +288,3 @@ def collective_failure(error: BaseException) -> str | None:
     if any(words in text for words in _TIMEOUT_WORDS):
         return "timeout"
     return None
-
-
-def rank_list(ranks: Iterable[int]) -> str:
-    """'rank 3', 'ranks 0-2, 5': contiguous ranks as ranges."""
-    ordered = sorted(set(ranks))
-    spans: list[str] = []
-    start = previous = ordered[0]
-    for rank in [*ordered[1:], None]:
-        if rank is not None and rank == previous + 1:
-            previous = rank
-            continue
-        spans.append(str(start) if start == previous else f"{start}-{previous}")
-        if rank is not None:
-            start = previous = rank
-    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(spans)
-
-
-def steps_of(ranks: Iterable[int], steps: dict[int, int | None]) -> str:
-    """'step 12', or 'steps 12 (ranks 0-2), 11 (rank 3)' newest first; 'no step yet' for a
-    rank that had finished none."""
-    by_step: dict[int, list[int]] = {}
-    for rank in ranks:
-        step = steps.get(rank)
-        by_step.setdefault(-1 if step is None else step, []).append(rank)
-    if len(by_step) == 1:
-        step = next(iter(by_step))
-        return "no step yet" if step < 0 else f"step {step}"
-    return "steps " + ", ".join(f"{'none yet' if step < 0 else step} ({rank_list(group)})"
-                                for step, group in sorted(by_step.items(), reverse=True))
-
-
-def silent_line(gone: list[int], stalled: list[int], steps: dict[int, int | None],
-                absent: list[int] | None = None) -> str:
-    """The one line that names the silent ranks, the last step of every rank, and the causes.
-
-    `steps`: every rank's last step as this rank knows it (a peer's as of its last heartbeat);
-    `absent`: ranks that never beat (named only once a collective timed out).
-    """
-    absent = absent or []
-    parts = []
-    if gone:
-        parts.append(f"{rank_list(gone)} went silent (last heard at {steps_of(gone, steps)}): "
-                     f"{'its process' if len(gone) == 1 else 'their processes'} ended or stopped without an "
-                     "error of its own (killed, e.g. by the OOM killer or kill -9, or its node was lost)")
-    if stalled:
-        parts.append(f"{rank_list(stalled)} made no progress since {steps_of(stalled, steps)}: alive, but never "
-                     "joined the collective that timed out (--dist-timeout) on the others (a hang in its own "
-                     "code or I/O: data loading, a file system, a deadlock)")
-    if absent:
-        parts.append(f"{rank_list(absent)} never arrived: no heartbeat since the group formed (its process did not "
-                     "start, or ended before it joined: see its own output)")
-    others = [rank for rank in steps if rank not in gone and rank not in stalled and rank not in absent]
-    if others:
-        parts.append(f"the other ranks reached {steps_of(others, steps)}")
-    return "ddp_amp: " + "; ".join(parts)

@@ -22,15 +22,21 @@ class DistOptions(ComponentOptions):
                                  "job fails instead of hanging", limits=(1e-3, TEN_YEARS_S))
 
     peer_poll: float = option(POLL_S, "seconds between two heartbeats of a rank (one store request each, "
-                              "sent by the rank's helper process); above "
-                              f"{BEATS_PER_S * POLL_S:,.0f} ranks at the default each rank beats every "
-                              f"world size / {BEATS_PER_S:,.0f} s, so the store gets at most {BEATS_PER_S:,.0f} "
-                              "beats a second", limits=(0.05, 60.0))
+                              "sent by the rank's helper process); above --peer-beats-per-s x --peer-poll ranks "
+                              f"({BEATS_PER_S * POLL_S:,.0f} at the defaults) each rank beats every world size / "
+                              "--peer-beats-per-s s instead, and rank 0 says so at start", limits=(0.05, 60.0))
     peer_silence: float = option(SILENCE_S, "seconds a rank's heartbeat may stay unchanged before the job "
                                  "names it silent (killed, stopped, its node lost) and ends; at least 4 polls, "
-                                 "and at least 4 beats where they are widened (16 s at 16,384 ranks); a rank's "
-                                 "clock starts at its first beat, written as it joins the group",
+                                 "and at least 4 beats where they are widened (16 s at 16,384 ranks at the "
+                                 "defaults, said at start); a rank's clock starts at its first beat, written as it "
+                                 "joins the group",
                                  limits=(0.2, 3600.0))
+    peer_beats_per_s: float = option(BEATS_PER_S, "heartbeats a second the group's store receives at most, all "
+                                     "ranks together: above this many x --peer-poll ranks the beats widen to "
+                                     "keep to it, and detection slows with them; raise it for faster detection at "
+                                     "large world sizes, at that much more load on the store (4,096 a second cost "
+                                     "it 6 to 9 percent of a core at 16,384 ranks: docs/benchmarks.md)",
+                                     limits=(1.0, 1e6))
 
     def check(self) -> None:
         """Choices and ranges."""
@@ -39,4 +45,4 @@ class DistOptions(ComponentOptions):
 
     def liveness(self) -> Liveness:
         """The watch's limits (liveness.py)."""
-        return Liveness(self.peer_poll, self.peer_silence)
+        return Liveness(self.peer_poll, self.peer_silence, self.peer_beats_per_s)

@@ -7,8 +7,11 @@ Keys, under the attempt's prefix:
   standing in for a helper that does not beat), the step is its last finished one ("-":
   none yet), the state one of STATES;
 - `FAILURE_KEY`: the job's failure, a JSON object `{"rank", "message"}`, and where a judge
-  named ranks `"named"` (their ranks) and `"since"` (when the evidence began, seconds since
-  the epoch); the first to claim it (compare_set) is the job's;
+  named ranks `"named"` (the first NAMED_RANKS of them: their helpers end them, so a
+  launcher reports them as the root cause), `"count"` (how many it named) and `"since"`
+  (when the evidence began, seconds since the epoch); the first to claim it (compare_set)
+  is the job's. Every helper reads it, so it is bounded: the message is cut at
+  MESSAGE_CHARS, the ranks at NAMED_RANKS (under 2 KB at any world size);
 - `HOST_DONE_KEY`: "1" once the rank hosting the store finished its run (its store going
   away is then no failure);
 - `NEWS_KEY`: how many events (a failure, the host done) were announced; `NEWS_KEY/<n>`:
@@ -35,6 +38,8 @@ NEWS_KEY = "ddp_amp/news"
 # as a peer's connection ended; GONE: its process ended without saying DONE (its helper saw it).
 RUNNING, FAILED, TIMED_OUT, DONE, GONE = "r", "f", "t", "d", "x"
 STATES = (RUNNING, FAILED, TIMED_OUT, DONE, GONE)
+NAMED_RANKS = 4  # ranks a failure names for their helpers to end; the rest end on the news
+MESSAGE_CHARS = 1000  # of a failure's message kept in the store (its rank prints it whole)
 
 
 class _Store(Protocol):
@@ -60,10 +65,13 @@ def beat(tag: str, step: str, state: str) -> bytes:
 
 
 def failure_value(rank: int, message: str, named: list[int] | None = None, since: float | None = None) -> bytes:
-    """The FAILURE_KEY value for `rank`'s failure, or for the ranks a judge `named`."""
+    """The FAILURE_KEY value for `rank`'s failure, or for the ranks a judge `named`: bounded
+    (MESSAGE_CHARS of the message, NAMED_RANKS of the ranks and how many there were)."""
+    if len(message) > MESSAGE_CHARS:
+        message = message[:MESSAGE_CHARS - 3] + "..."
     record: dict[str, Any] = {"rank": rank, "message": message}
     if named:
-        record.update(named=sorted(named), since=since)
+        record.update(named=sorted(named)[:NAMED_RANKS], count=len(set(named)), since=since)
     return json.dumps(record).encode()
 
 

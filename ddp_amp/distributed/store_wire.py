@@ -16,6 +16,7 @@ Standard library only: this module runs in the helper process.
 
 from __future__ import annotations
 
+import random
 import socket
 import struct
 
@@ -25,6 +26,13 @@ _LENGTH = struct.Struct("<Q")
 # The libuv server reads 4 KB at a time and parses a request again from its start at each
 # read that does not complete it: a multi_get kept under 4 KB is parsed once.
 REQUEST_BYTES = 4000
+
+
+def reconnect_delay(failures: int, first_s: float, longest_s: float) -> float:
+    """Seconds to wait after `failures` failed tries in a row to connect: doubling from
+    `first_s` up to `longest_s`, drawn between half and all of it, so that many clients that
+    failed together do not try again together."""
+    return min(longest_s, first_s * 2.0 ** (max(failures, 1) - 1)) * (0.5 + 0.5 * random.random())
 
 
 def _string(data: bytes) -> bytes:

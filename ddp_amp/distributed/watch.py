@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
 import sys
 import threading
@@ -43,8 +42,9 @@ import torch.distributed as dist
 from ddp_amp.distributed.failure import EXIT_PEER_FAILED
 from ddp_amp.distributed.heart import Heart
 from ddp_amp.distributed.launcher import LauncherCheck
-from ddp_amp.distributed.liveness import (POLL_S, SILENCE_S, Liveness, PeerTracker, Progress, collective_failure,
-                                          silent_line, store_route)
+from ddp_amp.distributed.liveness import (BEATS_PER_S, POLL_S, SILENCE_S, Liveness, PeerTracker, Progress,
+                                          collective_failure, store_route)
+from ddp_amp.distributed.naming import silent_line
 from ddp_amp.distributed.store_keys import (BEAT_KEY, DONE, FAILED, FAILURE_KEY, GONE, RUNNING, TIMED_OUT,
                                             announce, beat, failure_value)
 from ddp_amp.distributed.store_wire import WireClient
@@ -61,12 +61,12 @@ class PeerWatch:
     """A daemon thread watching the launcher and the peers; see the module docstring."""
 
     def __init__(self, store: dist.Store | None, env: DistEnv, progress: Progress | None = None,
-                 interval_s: float = POLL_S, silence_s: float = SILENCE_S) -> None:
+                 interval_s: float = POLL_S, silence_s: float = SILENCE_S, beats_per_s: float = BEATS_PER_S) -> None:
         self.store = store if env.world_size > 1 else None
         self.env = env
         self.rank, self.local_rank, self.world_size = env.rank, env.local_rank, env.world_size
         self.progress = progress if progress is not None else Progress()
-        self.liveness = Liveness(interval_s, silence_s)
+        self.liveness = Liveness(interval_s, silence_s, beats_per_s)
         self.interval_s = interval_s
         self.beat_s = self.liveness.beat_s(self.world_size)  # also the judges' period
         self.silence_s = self.liveness.silence_for(self.world_size)
@@ -94,6 +94,10 @@ class PeerWatch:
             return self  # a single process of its own: nothing to watch
         if self.route is not None:
             self.heart = start_heart(self.store, self.env, self.liveness, self.progress)
+            notice = self.liveness.notice(self.world_size)
+            if notice is not None and self.rank == 0:  # limits widened past the ones set: said once, by rank 0
+                with contextlib.suppress(OSError):
+                    print(notice, file=sys.stderr, flush=True)
         self._thread = threading.Thread(target=self._watch, name="ddp_amp-peer-watch", daemon=True)
         self._thread.start()
         _RUNNING.add(self)
@@ -172,11 +176,10 @@ class PeerWatch:
         return TIMED_OUT if self._failed[0] == "timeout" else FAILED
 
     def _hear(self, news: str) -> None:
-        """A line of the helper's: F <failure>, H (the store's host finished), L (store lost)."""
+        """A line of the helper's: F <rank that failed>, H (the store's host finished), L (store lost)."""
         if news.startswith("F "):
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                if int(json.loads(news[2:])["rank"]) == self.rank:
-                    return  # this rank's own failure: its main thread reports it
+            if news[2:].strip() == str(self.rank):
+                return  # this rank's own failure: its main thread reports it
             _exit()  # another rank failed and said so
         elif news == "H":
             self._host_done = True

@@ -126,7 +126,8 @@ class Session(SessionPlace, SessionSaving):
         # A peer whose exception leaves its session block ends this process too (failure.py),
         # and so do a silent peer and a launcher that is gone (watch.py).
         limits = ctx.liveness
-        self._watch = PeerWatch(ctx.store, ctx.env, ctx.progress, limits.poll_s, limits.silence_s).start()
+        self._watch = PeerWatch(ctx.store, ctx.env, ctx.progress, limits.poll_s, limits.silence_s,
+                                limits.beats_per_s).start()
         log.debug("session: rank %d/%d on %s, %s (%s)", ctx.rank, ctx.world_size, ctx.device,
                   self._precision.name, self._precision.reason)
         return self
