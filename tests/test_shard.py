@@ -30,10 +30,11 @@ from ddp_amp.train import main as train_main
 from ddp_amp.metrics import QuietRunLog
 from ddp_amp.parallel import ShardOptions
 from ddp_amp.tasks import load_task
+from ddp_amp.torch_api import TENSOR_PARALLEL
 from ddp_amp.trainer import Trainer, seed_everything, session_for
 from tests.multiproc import REPO_ROOT, in_turn, run_ranks, run_train, slow_writes_env
 from tests.resume_harness import assert_bitwise_equal
-from tests.torch_features import needs_sharding
+from tests.torch_features import needs, needs_sharding
 
 pytestmark = needs_sharding
 
@@ -224,10 +225,14 @@ def _workers(torchrun: subprocess.Popen[str]) -> dict[int, int]:
     return found
 
 
-def test_a_rank_killed_inside_a_sharded_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("split", [("--shard",), pytest.param(("--tensor-parallel", "2"),
+                                                               marks=needs(TENSOR_PARALLEL))],
+                         ids=["shard", "tensor-parallel"])
+def test_a_rank_killed_inside_a_sharded_save_leaves_the_previous_checkpoint(split: tuple[str, ...],
+                                                                            tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-               "ddp_amp.train", *LM, "--shard", "--max-steps", "9", "--ckpt-every", "3", "--run-dir", str(tmp_path)]
+               "ddp_amp.train", *LM, *split, "--max-steps", "9", "--ckpt-every", "3", "--run-dir", str(tmp_path)]
     # Each file of a checkpoint written 0.3 s slower (tests/slow_writes): the kill lands mid-save.
     proc = subprocess.Popen(command, env=slow_writes_env(0.3), cwd=REPO_ROOT, text=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -243,7 +248,7 @@ def test_a_rank_killed_inside_a_sharded_save_leaves_the_previous_checkpoint(tmp_
             os.killpg(proc.pid, signal.SIGKILL)
     assert (root / "step-00000003").is_dir() and not (root / "step-00000006").exists()
     verify_checkpoint(root / "step-00000003")
-    again = run_train([*LM, "--shard", "--max-steps", "6", "--run-dir", str(tmp_path)], nproc=2)
+    again = run_train([*LM, *split, "--max-steps", "6", "--run-dir", str(tmp_path)], nproc=2)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "at step 3" in again.stdout and not list(root.glob(".tmp-*"))
 

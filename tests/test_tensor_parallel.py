@@ -3,9 +3,11 @@ parallel), alone and inside the data-parallel dimensions, trains as one rank doe
 
 `causal_lm` on a tiny Llama (text and masked conversations, fp32, 10 SGD steps with clipping):
 TP 2 on 2 ranks, TP 2 x shard 2 and TP 2 x replicate 2 on 4 give the 1-rank run's step losses
-within 1e-5 relative, and its weights after the 10 steps within 1e-5. Trainers are built
-in-process on each rank as `ddp_amp.train` builds them; the module fixture runs every shape
-once and the tests read it.
+within 1e-5 relative, and its weights after the 10 steps within 1e-5. Checkpoints move between
+shapes: TP 2 x shard 2 -> shard 4 -> TP 2 x replicate 2 on 4 ranks, and TP 2 on 2 ranks -> one
+rank, each continuing with the 1-rank run's losses within 1e-6. Trainers are built in-process on
+each rank as `ddp_amp.train` builds them; the module fixture runs every shape once (a process
+group per world size) and the tests read it.
 """
 
 from __future__ import annotations
@@ -47,24 +49,51 @@ def _config(corpus: dict[str, Path], tensor_parallel: int = 1, shard: bool = Fal
                   tensor_parallel=tensor_parallel, shard=shard, **overrides)
 
 
-def _train(ctx: DistContext, corpus: dict[str, Path], shapes: list[tuple[int, bool]]) -> list[dict[str, Any]]:
-    """Collective: STEPS steps in each shape; the logged losses, the whole weights, the layout."""
-    runs = []
+def _losses(trainer: Any, steps: int) -> list[float]:
+    return [trainer._mean_across_ranks(trainer.train_step()) for _ in range(steps)]
+
+
+def _train(ctx: DistContext, corpus: dict[str, Path], root: Path, shapes: list[tuple[int, bool]],
+           chain: list[tuple[int, bool, int]], resume: Path | None = None) -> dict[str, Any]:
+    """Collective: STEPS steps in each of `shapes` (the losses, whole weights and layout of each);
+    then `chain`: each (tp, shard, steps) resumes the one before's checkpoint (the first saves
+    after its steps); `resume`: a checkpoint to continue to STEPS on this world size."""
+    runs, chained = [], []
     for tensor_parallel, shard in shapes:
         trainer = build_trainer(_config(corpus, tensor_parallel, shard), ctx, None)
-        losses = [trainer._mean_across_ranks(trainer.train_step()) for _ in range(STEPS)]
-        runs.append({"losses": losses, "weights": whole_state(trainer.model), "layout": trainer.layout})
+        runs.append({"losses": _losses(trainer, STEPS), "weights": whole_state(trainer.model),
+                     "layout": trainer.layout})
         del trainer
-    return runs
+    saved = None
+    for tensor_parallel, shard, steps in chain:
+        trainer = build_trainer(_config(corpus, tensor_parallel, shard), ctx, root / "chain")
+        if saved is not None:
+            trainer.load_checkpoint(saved)
+        chained += _losses(trainer, steps)
+        saved = trainer.save_checkpoint()
+        del trainer
+    resumed: list[float] = []
+    if resume is not None:
+        trainer = build_trainer(_config(corpus), ctx, root / "resumed")
+        trainer.load_checkpoint(resume)
+        resumed = _losses(trainer, STEPS - trainer.step)
+    return {"runs": runs, "chained": chained, "saved": saved, "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
-def trained(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    results = {"1 rank": run_ranks(_train, 1, corpus, [(1, False)], timeout=600)[0][0]}
-    for ranks in (2, 4):
-        names = [name for name, shape in SHAPES.items() if shape[2] == ranks]
-        done = run_ranks(_train, ranks, corpus, [SHAPES[name][:2] for name in names], timeout=900)[0]
-        results.update(zip(names, done))
+def trained(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("tp-runs")
+    results: dict[str, Any] = {}
+    # 2 ranks: TP 2, and TP 2 for 5 steps saved, for one rank to continue
+    pair = run_ranks(_train, 2, corpus, root / "2", [SHAPES["tp2"][:2]], [(2, False, 5)], timeout=900)[0]
+    results["tp2"] = pair["runs"][0]
+    alone = run_ranks(_train, 1, corpus, root / "1", [(1, False)], [], pair["saved"], timeout=600)[0]
+    results["1 rank"], results["tp2 -> 1 rank"] = alone["runs"][0], pair["chained"] + alone["resumed"]
+    names = [name for name, shape in SHAPES.items() if shape[2] == 4]
+    four = run_ranks(_train, 4, corpus, root / "4", [SHAPES[name][:2] for name in names],
+                     [(2, True, 4), (1, True, 3), (2, False, 3)], timeout=900)[0]
+    results.update(zip(names, four["runs"]))
+    results["tp2 x shard2 -> shard4 -> tp2 x replicate2"] = four["chained"]
     return results
 
 
@@ -73,10 +102,54 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_a_split_model_trains_as_one_rank_does(shape: str, trained: dict[str, dict[str, Any]]) -> None:
+def test_a_split_model_trains_as_one_rank_does(shape: str, trained: dict[str, Any]) -> None:
     alone, split = trained["1 rank"], trained[shape]
     assert split["layout"].startswith("tensor parallel over 2 ranks (sequence parallel, loss parallel)"), split
     assert split["losses"] == pytest.approx(alone["losses"], rel=1e-5), (shape, split["losses"], alone["losses"])
     assert alone["losses"][-1] < alone["losses"][0]  # it trained
     worst = max((_relative(split["weights"][name], value), name) for name, value in alone["weights"].items())
     assert worst[0] <= 1e-5, worst
+
+
+@pytest.mark.parametrize("chain", ["tp2 x shard2 -> shard4 -> tp2 x replicate2", "tp2 -> 1 rank"])
+def test_a_checkpoint_resumes_on_another_shape_with_the_straight_runs_losses(chain: str,
+                                                                            trained: dict[str, Any]) -> None:
+    straight = trained["1 rank"]["losses"]
+    assert trained[chain] == pytest.approx(straight, rel=1e-6), (trained[chain], straight)
+
+
+def test_a_split_run_reads_its_slices_of_pretrained_weights_and_exports_whole_ones(tmp_path: Path) -> None:
+    """Through the CLI: --init-weights fills a TP 2 Llama (its tied head too) with each rank reading
+    its slices, and export --hf hands back whole tensors that from_pretrained loads, logits equal
+    to the run's final weights in a plain Llama."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from ddp_amp.export import main as export_main
+    from tests.multiproc import run_train
+    from tests.test_hf_weights import _args, _pretrained
+
+    pretrained = tmp_path / "pretrained"
+    original = _pretrained(pretrained)
+    result = run_train(_args(pretrained, tmp_path / "run", "--tensor-parallel", "2", "--max-steps", "3"), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "model=tensor parallel over 2 ranks (sequence parallel, loss parallel), replicated over 1 rank: " \
+           "2 x LlamaDecoderLayer" in result.stdout, result.stdout[:2000]
+    line = next(line for line in result.stdout.splitlines() if "initial weights from" in line)
+    split = sum(p.numel() * p.element_size() for name, p in original.named_parameters() if "norm" not in name)
+    norms = sum(p.numel() * p.element_size() for name, p in original.named_parameters() if "norm" in name)
+    read = int(line.split(" bytes")[0].split(", ")[-1].replace(",", ""))
+    assert "20 tensors" in line and read == split // 2 + norms, (line, split, norms)  # its half, the norms whole
+
+    out = tmp_path / "hf"
+    assert export_main([str(tmp_path / "run"), "--to", str(out), "--hf"]) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert export_main([str(tmp_path / "run"), "--to", str(tmp_path / "trained.safetensors")]) == 0
+    trained = transformers.LlamaForCausalLM(original.config)
+    trained.load_state_dict(load_file(tmp_path / "trained.safetensors"), strict=True)
+    tokens = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(tokens).logits, trained.eval()(tokens).logits)
+        moved = max((a - b).abs().max().item() for a, b in zip(trained.parameters(), original.parameters()))
+        assert 0 < moved < 0.01, moved  # trained from the pretrained weights, not from another init
