@@ -12,14 +12,16 @@ pages are the kernel's file cache and no private memory of the rank's. A rank lo
 what a Slurm MaxRSS or a memory limit that reads RSS sees (docs/facts.md). Read into a
 buffer of its own, a rank's resident set holds the slice it asked for and no more.
 
-Cost: a slice along the first dimension (the rows a data-parallel shard holds) is one
-read of exactly its bytes; a slice along a later dimension reads the whole rows it spans
-and cuts them in memory.
+Cost: a rank reads exactly the bytes of its slice: one read for a slice of rows (what a
+data-parallel shard or a `colwise` split holds), one per row for a slice of columns (a
+`rowwise` split's).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -50,13 +52,6 @@ class StoredTensor:
     begin: int  # absolute byte offset in the file
     end: int
 
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one index of the first dimension (the whole tensor's for a scalar)."""
-        elements = 1
-        for size in self.shape[1:]:
-            elements *= size
-        return elements * self.dtype.itemsize
 
 
 def read_header(path: Path) -> dict[str, StoredTensor]:
@@ -102,28 +97,35 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
     return tensors
 
 
-def _pread(fd: int, length: int, offset: int) -> bytearray:
-    """Exactly `length` bytes at `offset` (a read may return fewer: it is repeated)."""
-    buffer = bytearray(length)
-    view = memoryview(buffer)
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    """Fill `view` with the bytes at `offset` (a read may return fewer: it is repeated)."""
     done = 0
-    while done < length:
+    while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
         if got == 0:
-            raise NotSafetensors(f"the file ended at byte {offset + done}, {length - done} bytes early")
+            raise NotSafetensors(f"the file ended at byte {offset + done}, {len(view) - done} bytes early")
         done += got
-    return buffer
 
 
 def read_slice(fd: int, stored: StoredTensor, region: tuple[slice, ...] | None = None) -> torch.Tensor:
-    """The tensor, or its `region` (one slice per dimension, steps of 1), from the open file `fd`."""
-    if not stored.shape:  # a scalar
-        data = _pread(fd, stored.end - stored.begin, stored.begin)
-        return torch.frombuffer(data, dtype=stored.dtype).reshape(())
-    region = region or tuple(slice(0, size) for size in stored.shape)
-    first = region[0]
-    rows = max(0, first.stop - first.start)
-    data = _pread(fd, rows * stored.row_bytes, stored.begin + first.start * stored.row_bytes)
-    block = torch.frombuffer(data, dtype=stored.dtype) if data else torch.empty(0, dtype=stored.dtype)
-    block = block.reshape(rows, *stored.shape[1:])
-    return block[(slice(None),) + tuple(region[1:])]
+    """The tensor, or its `region` (one slice per dimension, steps of 1), from the open file
+    `fd`: only the region's bytes are read, in one read per contiguous run of them (one for
+    rows; one per row for a slice of columns)."""
+    shape = stored.shape
+    region = tuple(region or ()) + tuple(slice(0, size) for size in shape[len(region or ()):])
+    sizes = [max(0, cut.stop - cut.start) for cut in region]
+    item = stored.dtype.itemsize
+    buffer = bytearray(math.prod(sizes) * item)
+    if buffer:
+        # The last dimension the region cuts: past it, every run is contiguous in the file.
+        cut = max((dim for dim in range(len(shape)) if sizes[dim] != shape[dim]), default=0)
+        run = math.prod(sizes[cut:]) * item
+        strides = [math.prod(shape[dim + 1:]) * item for dim in range(len(shape))]
+        view = memoryview(buffer)
+        for index, starts in enumerate(itertools.product(*(range(r.start, r.stop) for r in region[:cut]))):
+            offset = stored.begin + sum(start * stride for start, stride in zip(starts, strides))
+            offset += region[cut].start * strides[cut] if shape else 0
+            _pread_into(fd, view[index * run:(index + 1) * run], offset)
+    if not buffer:
+        return torch.empty(sizes, dtype=stored.dtype)
+    return torch.frombuffer(buffer, dtype=stored.dtype).reshape(sizes)
