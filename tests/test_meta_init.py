@@ -153,17 +153,21 @@ def test_the_lm_task_built_sharded_trains_exactly_as_when_built_whole(tmp_path: 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_fill_drawn_piece_by_piece_keeps_the_full_fills_rows_and_stream(op: Any, args: tuple[float, float],
                                                                           dtype: torch.dtype) -> None:
+    # FSDP2's rows, and tensor parallel's cuts before them: along the rows, or of columns (a rowwise split)
+    slots = (ShardSlot(4, 0), ShardSlot(4, 3), ShardSlot(3, 1), ShardSlot(2, 1, split=2, split_index=1, split_dim=0),
+             ShardSlot(2, 0, split=2, split_index=1, split_dim=1), ShardSlot(1, 0, split=3, split_index=2, split_dim=1))
     for shape in [(301, 16), (11, 6), (37, 7, 3), (5,), (3, 5)]:  # tails under 16 elements, odd rows
-        for slot in (ShardSlot(4, 0), ShardSlot(4, 3), ShardSlot(3, 1)):
+        for slot in [slot for slot in slots if slot.split_dim is None or slot.split_dim < len(shape)]:
             torch.manual_seed(7)
             full = torch.empty(shape, dtype=dtype)
             op(full, *args)
             after = torch.get_rng_state()
             torch.manual_seed(7)
             kept = torch.empty(slot.rows(full).shape, dtype=dtype)
-            fill_rows(op, args, {}, full.numel(), dtype, slot.flat_range(full.shape), kept.view(-1),
+            fill_rows(op, args, {}, full.numel(), dtype, slot.flat_ranges(full.shape), kept.view(-1),
                       torch.empty(32 + 15, dtype=dtype), piece=32)
             assert torch.equal(kept, slot.rows(full)) and torch.equal(torch.get_rng_state(), after), (shape, slot)
+            assert kept.shape == full[slot.region(full.shape)].shape
 
 
 def _build_peak(ctx: DistContext) -> float:

@@ -131,7 +131,9 @@ def test_a_split_run_reads_its_slices_of_pretrained_weights_and_exports_whole_on
 
     pretrained = tmp_path / "pretrained"
     original = _pretrained(pretrained)
-    result = run_train(_args(pretrained, tmp_path / "run", "--tensor-parallel", "2", "--max-steps", "3"), nproc=2)
+    # 16 input tokens (seq 15 and the one it predicts from): sequence parallel splits them evenly
+    result = run_train(_args(pretrained, tmp_path / "run", "--tensor-parallel", "2", "--max-steps", "3",
+                             "--task-opt", "seq=15"), nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "model=tensor parallel over 2 ranks (sequence parallel, loss parallel), replicated over 1 rank: " \
            "2 x LlamaDecoderLayer" in result.stdout, result.stdout[:2000]

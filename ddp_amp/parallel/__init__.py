@@ -24,12 +24,12 @@ from ddp_amp.parallel.meta_init import build_sharded, build_whole, is_built_shar
 from ddp_amp.parallel.parallelize import Parallelized, parallelize
 from ddp_amp.parallel.options import check_gather_dtype
 from ddp_amp.parallel.plan import ParallelPlan, ShardOptions
-from ddp_amp.parallel.shard_rows import ShardSlot, shard_slot
-from ddp_amp.parallel.tensor_parallel import STYLES, TensorParallelPlan, check_plan
+from ddp_amp.parallel.shard_rows import ShardSlot, shard_slot, split_slot
+from ddp_amp.parallel.tensor_parallel import STYLES, TensorParallelPlan, check_plan, split_dims
 
 __all__ = [
     "STYLES", "CommHook", "ParallelPlan", "Parallelized", "ShardOptions", "ShardSlot", "TensorParallelPlan", "Units",
     "build_sharded", "build_whole", "check_gather_dtype", "check_plan", "comm_hook", "default_units",
     "describe_units", "fused_kernel_takes", "is_built_sharded", "meta_model", "parallelize", "release_ddp",
-    "shard_model", "shard_slot", "shard_units", "wrap_ddp",
+    "shard_model", "shard_slot", "shard_units", "split_dims", "split_slot", "wrap_ddp",
 ]

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -107,7 +107,8 @@ class _Slice(torch.Tensor):
         if target is not None and not _in_full(target) and _returns_alias(func):
             shape = _result_shape(func, args, kwargs)
             return _Slice(shape, target.dtype, BuildValues(target.held.build, target.held.rows, target.held.label,
-                                                           part=True, skipped=target.held.skipped))
+                                                           part=True, skipped=target.held.skipped,
+                                                           slot=target.held.slot))
         if name in _LIKE:
             return func(*tree_map(_shape_only, args), **tree_map(_shape_only, kwargs))
         if all(_in_full(a) for a in _flat(args, kwargs)):
@@ -211,22 +212,27 @@ _PENDING: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = weakre
 
 
 def build_sharded(factory: Callable[[], nn.Module], slot: ShardSlot,
-                  overwritten: Collection[str] = frozenset()) -> nn.Module:
+                  overwritten: Collection[str] = frozenset(), slots: Sequence[ShardSlot] | None = None,
+                  named: Mapping[str, ShardSlot] | None = None) -> nn.Module:
     """`factory()` with this rank's rows of each parameter only; see the module's docstring.
     `overwritten`: names of parameters the caller fills right after (pretrained weights):
     their init is not drawn, where the build can tell which they are (init_skip.py).
+    `slots`: a slot per registration, in order (a split model's parameters, each cut along
+    its own dimension), `slot` for any past them; `named`: the slot of each name in the
+    model, for parameters held whole while building (a registration no name keeps, as a
+    layer that `nn.TransformerEncoder` copies: the copies are cut once the model is built).
 
     The returned model's parameters are on the meta device until `materialize`, after sharding."""
     plan = skip_plan(factory, overwritten) if overwritten else None
     if plan is not None:
         stream = torch.get_rng_state()
         try:
-            return _build(factory, SlotBuild(slot, plan), frozenset(overwritten))
+            return _build(factory, SlotBuild(slot, plan, slots), frozenset(overwritten), named)
         except (PlanDiverged, UsageError) as error:
             log.warning("every parameter's init is drawn after all: leaving those --init-weights fills "
                         "uninitialised did not hold (%s)", error)
             torch.set_rng_state(stream)
-    return _build(factory, SlotBuild(slot), frozenset())
+    return _build(factory, SlotBuild(slot, slots=slots), frozenset(), named)
 
 
 def build_whole(factory: Callable[[], nn.Module], overwritten: Collection[str] = frozenset()) -> nn.Module:
@@ -253,7 +259,8 @@ def build_whole(factory: Callable[[], nn.Module], overwritten: Collection[str] =
     return model
 
 
-def _build(factory: Callable[[], nn.Module], build: SlotBuild, overwritten: frozenset[str]) -> nn.Module:
+def _build(factory: Callable[[], nn.Module], build: SlotBuild, overwritten: frozenset[str],
+           named: Mapping[str, ShardSlot] | None = None) -> nn.Module:
     handle = nn.modules.module.register_module_parameter_registration_hook(
         lambda module, name, param: _as_slice(build, module, name, param))  # type: ignore[arg-type]  # a hook may return the parameter to register instead
     try:
@@ -270,7 +277,7 @@ def _build(factory: Callable[[], nn.Module], build: SlotBuild, overwritten: froz
     if not isinstance(model, nn.Module):
         raise UsageError("Task.build_model", type(model).__name__, "a function returning a torch.nn.Module",
                          "return the model from build_model")
-    _PENDING[model] = _to_meta(model, overwritten)
+    _PENDING[model] = _to_meta(model, overwritten, named or {})
     return model
 
 
@@ -282,20 +289,22 @@ def _as_slice(build: SlotBuild, module: nn.Module, name: str, param: nn.Paramete
     skipped = build.plan is not None and build.plan.skips(index, param.shape)
     if isinstance(param, _Slice):
         return None  # one already sliced (a tied weight registered again)
-    shape = build.slot.rows(torch.empty(param.shape, device="meta")).shape
+    slot = build.slot_for(index)
+    shape = slot.rows(torch.empty(param.shape, device="meta")).shape
     if skipped:  # none needed: the load fills them
         rows = mapped_zeros(shape, param.dtype)
     elif param.is_meta:  # made on the meta device by the model itself: no values yet, as a plain build
         rows = mapped_empty(shape, param.dtype)
     else:
-        rows = mapped_copy(build.slot.rows(param.detach().to("cpu")))
-    values = BuildValues(build, rows, f"{type(module).__name__}.{name}", skipped=skipped)
+        rows = mapped_copy(slot.rows(param.detach().to("cpu")))
+    values = BuildValues(build, rows, f"{type(module).__name__}.{name}", skipped=skipped, slot=slot)
     return nn.Parameter(_Slice(param.shape, param.dtype, values), requires_grad=param.requires_grad)
 
 
-def _to_meta(model: nn.Module, overwritten: frozenset[str]) -> dict[str, torch.Tensor]:
+def _to_meta(model: nn.Module, overwritten: frozenset[str], named: Mapping[str, ShardSlot]) -> dict[str, torch.Tensor]:
     """Swap every `_Slice` parameter for a meta one (the same object under each of its names);
-    return the rows by parameter name. One left uninitialised must be `overwritten`."""
+    return the rows by parameter name, a whole one cut by its name's slot in `named`. One left
+    uninitialised must be `overwritten`."""
     rows: dict[str, torch.Tensor] = {}
     swapped: dict[int, nn.Parameter] = {}
     uncovered: dict[int, str] = {}  # parameters left uninitialised, by identity
@@ -316,6 +325,10 @@ def _to_meta(model: nn.Module, overwritten: frozenset[str]) -> dict[str, torch.T
                 uncovered.setdefault(id(param), full_name)
                 loaded.update({id(param)} if full_name in overwritten else set())
             rows[full_name] = param.held.rows
+            slot = named.get(full_name)
+            if slot is not None and rows[full_name].shape == param.shape != slot.rows(torch.empty(
+                    param.shape, device="meta")).shape:  # held whole while building: cut now
+                rows[full_name] = mapped_copy(slot.rows(rows[full_name]))
         for name, buffer in module._buffers.items():
             if buffer is not None and (buffer.is_meta or isinstance(buffer, _Slice)):
                 raise _cannot(f"{type(module).__name__}.{name}", "this buffer was computed from a parameter's "

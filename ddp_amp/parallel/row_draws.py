@@ -44,19 +44,28 @@ def _generator(kwargs: dict[str, Any]) -> torch.Generator:
 
 
 def fill_rows(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], numel: int, dtype: torch.dtype,
-              keep: tuple[int, int], into: torch.Tensor, scratch: torch.Tensor, piece: int = PIECE) -> torch.Tensor:
+              keep: list[tuple[int, int]], into: torch.Tensor, scratch: torch.Tensor,
+              piece: int = PIECE) -> torch.Tensor:
     """Fill a tensor of `numel` elements with `func(tensor, *args, **kwargs)` piece by piece,
-    copying the elements `[keep[0], keep[1])` of the flattened result into `into` (flat,
-    contiguous); the generator state it started from, for `replay`. `scratch`: at least
-    `piece + 15` elements of `dtype`, or `numel`."""
+    copying the elements of the runs `keep` (`[start, stop)` of the flattened result, in
+    order) one after the other into `into` (flat, contiguous); the generator state it started
+    from, for `replay`. `scratch`: at least `piece + 15` elements of `dtype`, or `numel`."""
     start_state = _generator(kwargs).get_state()
-    low, high = keep
+    offsets = [0]
+    for low, high in keep:
+        offsets.append(offsets[-1] + high - low)
+    run = 0  # the first run that may still meet a piece
     for start, stop in piece_bounds(numel, piece):
         part = scratch[:stop - start]
         func(part, *args, **kwargs)
-        first, last = max(start, low), min(stop, high)
-        if first < last:
-            into[first - low:last - low].copy_(part[first - start:last - start])
+        while run < len(keep) and keep[run][1] <= start:
+            run += 1
+        for index in range(run, len(keep)):
+            low, high = keep[index]
+            if low >= stop:
+                break
+            first, last = max(start, low), min(stop, high)
+            into[offsets[index] + first - low:offsets[index] + last - low].copy_(part[first - start:last - start])
     return start_state
 
 
@@ -82,5 +91,5 @@ def pieces_exact(func: Any, dtype: torch.dtype) -> bool:
     func(full, generator=whole)
     kept = torch.empty(_CHECK_SIZE, dtype=dtype)
     scratch = torch.empty(_CHECK_PIECE + 15, dtype=dtype)
-    fill_rows(func, (), {"generator": pieces}, _CHECK_SIZE, dtype, (0, _CHECK_SIZE), kept, scratch, _CHECK_PIECE)
+    fill_rows(func, (), {"generator": pieces}, _CHECK_SIZE, dtype, [(0, _CHECK_SIZE)], kept, scratch, _CHECK_PIECE)
     return torch.equal(full, kept) and torch.equal(whole.get_state(), pieces.get_state())

@@ -10,7 +10,8 @@ code reads it. Everything large lives in memory mappings of its own (`host_pages
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,29 +22,56 @@ from ddp_amp.parallel.init_skip import SkipPlan
 from ddp_amp.parallel.row_draws import FILLS, PIECE, fill_rows, replay
 
 
+def _chunk(extent: int, parts: int, index: int) -> tuple[int, int]:
+    """`[start, stop)` of chunk `index` of `parts` along an extent, as `torch.chunk` cuts it
+    (chunks of ceil(extent / parts); the last ones may be short or empty)."""
+    size = -(-extent // parts) if extent else 0
+    start = min(index * size, extent)
+    return start, min(start + size, extent)
+
+
 @dataclass(frozen=True)
 class ShardSlot:
-    """Where this rank's rows lie: `index` of `size` chunks along dimension 0."""
+    """Where this rank's part of a parameter lies: first chunk `split_index` of `split` along
+    dimension `split_dim` (tensor parallel's cut; none where `split_dim` is None), then chunk
+    `index` of `size` along dimension 0 of that (FSDP2's `Shard(0)` of the split tensor)."""
 
     size: int = 1
     index: int = 0
+    split: int = 1
+    split_index: int = 0
+    split_dim: int | None = None
+
+    def region(self, shape: torch.Size) -> tuple[slice, ...]:
+        """The part's extent along each dimension of a full tensor of `shape`."""
+        bounds = [(0, extent) for extent in shape]
+        if self.split_dim is not None and self.split > 1:
+            bounds[self.split_dim] = _chunk(shape[self.split_dim], self.split, self.split_index)
+        if bounds:
+            low, high = bounds[0]
+            first, last = _chunk(high - low, self.size, self.index)
+            bounds[0] = (low + first, low + last)
+        return tuple(slice(low, high) for low, high in bounds)
 
     def rows(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of `full`, as `fully_shard`'s `Shard(0)` keeps them (possibly none)."""
+        """This rank's part of `full` (a view), as the split and `fully_shard` leave it (possibly none)."""
         if full.dim() == 0:
             return full
-        chunks = torch.chunk(full, self.size, dim=0)
-        if self.index < len(chunks):
-            return chunks[self.index]
-        return full.narrow(0, 0, 0)
+        return full[self.region(full.shape)]
 
-    def flat_range(self, shape: torch.Size) -> tuple[int, int]:
-        """Where `rows` lie in a contiguous tensor of `shape`, flattened: `[start, stop)`."""
+    def flat_ranges(self, shape: torch.Size) -> list[tuple[int, int]]:
+        """Where the part lies in a contiguous tensor of `shape`, flattened: `[start, stop)`
+        runs in order, one for a part of whole rows, one per row of a part of columns."""
         if not shape:
-            return 0, 1
-        per_row, height = math.prod(shape[1:]), -(-shape[0] // self.size) if shape[0] else 0
-        start = min(self.index * height, shape[0])
-        return start * per_row, min(start + height, shape[0]) * per_row
+            return [(0, 1)]
+        region = self.region(shape)
+        last = max((dim for dim, cut in enumerate(region) if cut.stop - cut.start != shape[dim]), default=0)
+        run = math.prod(cut.stop - cut.start for cut in region[last:])
+        strides = [math.prod(shape[dim + 1:]) for dim in range(len(shape))]
+        starts = [region[last].start * strides[last]]
+        for dim in range(last - 1, -1, -1):
+            starts = [base + at * strides[dim] for at in range(region[dim].start, region[dim].stop) for base in starts]
+        return [(start, start + run) for start in sorted(starts) if run]
 
 
 def shard_slot(mesh: DeviceMesh) -> ShardSlot:
@@ -53,15 +81,32 @@ def shard_slot(mesh: DeviceMesh) -> ShardSlot:
     return ShardSlot(mesh.size(dim), mesh.get_local_rank(dim))
 
 
+def split_slot(slot: ShardSlot, mesh: DeviceMesh, split_dim: int | None) -> ShardSlot:
+    """`slot` with the mesh's tensor-parallel cut along `split_dim` first (None: not split)."""
+    names = mesh.mesh_dim_names or ()
+    if split_dim is None or "tp" not in names:
+        return slot
+    dim = names.index("tp")
+    return replace(slot, split=mesh.size(dim), split_index=mesh.get_local_rank(dim), split_dim=split_dim)
+
+
 class SlotBuild:
     """One build's state: the one tensor whose init code is running (held in full, or as a
     fill it can replay), and a scratch piece per dtype for fills drawn piece by piece."""
 
-    def __init__(self, slot: ShardSlot, plan: SkipPlan | None = None) -> None:
-        self.slot, self.plan = slot, plan
+    def __init__(self, slot: ShardSlot, plan: SkipPlan | None = None,
+                 slots: Sequence[ShardSlot] | None = None) -> None:
+        self.slot, self.plan, self.slots = slot, plan, slots
         self.current: BuildValues | None = None
         self.registered = 0  # parameters registered so far (the plan's index)
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
+
+    def slot_for(self, index: int) -> ShardSlot:
+        """The slot of registration `index`: its own where the build was given one per
+        registration (a split model's parameters are cut along different dimensions)."""
+        if self.slots is not None and index < len(self.slots):
+            return self.slots[index]
+        return self.slot
 
     def scratch(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         held = self._scratch.get(dtype)
@@ -81,8 +126,9 @@ class BuildValues:
     were drawn piece by piece, and the full tensor is made again only if init code reads it."""
 
     def __init__(self, build: SlotBuild, rows: torch.Tensor, label: str, part: bool = False,
-                 skipped: bool = False) -> None:
+                 skipped: bool = False, slot: ShardSlot | None = None) -> None:
         self.build, self.rows, self.label = build, rows, label
+        self.slot = slot if slot is not None else build.slot  # where its part lies
         self.full: torch.Tensor | None = None
         self.fill: Fill | None = None
         # A view of a part of a parameter (a row, a column) no longer held in full: its
@@ -113,7 +159,7 @@ class BuildValues:
         state = None
         if func.overloadpacket.__name__ in FILLS:
             numel = math.prod(shape)
-            state = fill_rows(func, args, kwargs, numel, dtype, self.build.slot.flat_range(shape),
+            state = fill_rows(func, args, kwargs, numel, dtype, self.slot.flat_ranges(shape),
                               self.rows.view(-1), self.build.scratch(dtype, numel))
         else:
             func(self.rows, *args, **kwargs)
@@ -131,7 +177,7 @@ class BuildValues:
     def cut(self) -> None:
         """Keep the rows of the full tensor and let the rest go (a fill's rows are kept already)."""
         if self.full is not None:
-            self.rows.copy_(self.build.slot.rows(self.full))
+            self.rows.copy_(self.slot.rows(self.full))
         self.full = self.fill = None
         self.build.current = None
 
@@ -140,8 +186,8 @@ class BuildValues:
         return self.copied()
 
     def copied(self) -> BuildValues:
-        source = self.build.slot.rows(self.full) if self.full is not None else self.rows
-        return BuildValues(self.build, mapped_copy(source), self.label, skipped=self.skipped)
+        source = self.slot.rows(self.full) if self.full is not None else self.rows
+        return BuildValues(self.build, mapped_copy(source), self.label, skipped=self.skipped, slot=self.slot)
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,25 @@ def check_plan(model: nn.Module, plan: TensorParallelPlan, degree: int, flag: st
                              f"{style} splits {size} over the ranks; pick a divisor of it")
 
 
+def split_dims(model: nn.Module, plan: TensorParallelPlan) -> dict[str, int | None]:
+    """Each parameter of `model` (under every name it has), and the dimension the plan splits it
+    along: 0 for a `colwise` Linear's weight and bias, an `embedding` or a `head`; 1 for a
+    `rowwise` weight; None for what every rank holds whole (a `rowwise` bias, a norm, what the
+    plan does not name). A model on the meta device will do."""
+    styles = matched(model, plan)
+    dims: dict[str, int | None] = {}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        module, _, attribute = name.rpartition(".")
+        style = styles.get(module)
+        if style in ("colwise", "embedding", "head"):
+            dims[name] = 0
+        elif style == "rowwise" and attribute == "weight":
+            dims[name] = 1
+        else:
+            dims[name] = None
+    return dims
+
+
 def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh,
                           blocks: list[nn.Module]) -> nn.Module:
     """Split `model` in place over the 1-d `mesh` as `plan` says (collective where DTensors are
@@ -187,11 +206,17 @@ def _gather_sequence(mesh: DeviceMesh) -> Any:
 
 
 def _split_sequence(mesh: DeviceMesh) -> Any:
-    """A pre-hook: the whole sequence (the same on every rank), as this rank's part of it."""
+    """A pre-hook: the whole sequence (the same on every rank), as this rank's part of it; the
+    sequence must split evenly (torch's sequence-parallel styles count a part as 1/N of it)."""
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         found = _first_tensor(args, kwargs)
         if found is None or isinstance(found[1], DTensor):
             return None
+        length, degree = found[1].shape[1], mesh.size()
+        if length % degree:
+            raise UsageError("--tensor-parallel", degree, f"a degree that divides each sequence ({length} tokens): "
+                             "sequence parallel splits it evenly", f"make the model's input a multiple of {degree} "
+                             "tokens long (causal_lm: --task-opt max_length)")
         part = DTensor.from_local(found[1], mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])
         return _replaced(args, kwargs, found[0], part.to_local())
     return hook

@@ -230,11 +230,13 @@ class Session(SessionPlace, SessionSaving):
                                   cast_outputs_to_fp32=cast_outputs_to_fp32, units=units, ddp_options=ddp_options,
                                   tensor_parallel_plan=tensor_parallel_plan)
 
-    def build_model(self, factory: Callable[[], nn.Module], overwritten: Collection[str] = ()) -> nn.Module:
+    def build_model(self, factory: Callable[[], nn.Module], overwritten: Collection[str] = (),
+                    tensor_parallel_plan: Mapping[str, str] | None = None) -> nn.Module:
         """`factory()` for `setup`, drawing no init for the `overwritten` names (weights loaded next:
         `load_weights`); sharding, each rank builds only its shards' rows, equal to a plain build's
-        from rank 0's stream, never the whole model (collective; docs/sharding.md)."""
-        return self._made().build(factory, overwritten)
+        from rank 0's stream, never the whole model (collective; docs/sharding.md). Split
+        (tensor_parallel=), by `tensor_parallel_plan` or the model's own: each rank's part of the split."""
+        return self._made().build(factory, overwritten, tensor_parallel_plan)
 
     def load_weights(self, model: nn.Module, source: str | os.PathLike[str], strict: bool = True) -> LoadedWeights:
         """A set-up model's weights from a .safetensors file or a Hugging Face model directory, by name,

@@ -29,8 +29,9 @@ from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.distributed import is_sharded
 from ddp_amp.hf import model_tensor_parallel_plan
-from ddp_amp.parallel import (ParallelPlan, ShardOptions, TensorParallelPlan, Units, build_sharded, build_whole,
-                              check_plan, is_built_sharded, parallelize, release_ddp, shard_slot)
+from ddp_amp.parallel import (ParallelPlan, ShardOptions, ShardSlot, TensorParallelPlan, Units, build_sharded,
+                              build_whole, check_plan, is_built_sharded, meta_model, parallelize, release_ddp,
+                              shard_slot, split_dims, split_slot)
 from ddp_amp.session.own_stream import OwnStreamReplay
 from ddp_amp.session.same_start import broadcast_from_rank_zero
 
@@ -69,11 +70,17 @@ class SessionModels:
         self._described[made.model] = made.description
         return made.model
 
-    def build(self, factory: Callable[[], nn.Module], overwritten: Collection[str] = ()) -> nn.Module:
+    def build(self, factory: Callable[[], nn.Module], overwritten: Collection[str] = (),
+              tensor_parallel_plan: Mapping[str, str] | None = None) -> nn.Module:
         """`factory()`, or under sharding each rank's shards of it only (collective; see `Session.build_model`)."""
-        if self.shard is None or self.ctx.mesh is None or self.ctx.tp_size > 1:
-            # A split model is built whole on each rank, then split and sharded.
+        if self.shard is None or self.ctx.mesh is None:
             return build_whole(factory, overwritten)
+        slots, named = None, None
+        if self.ctx.tp_size > 1:
+            split = self._split_slots(factory, tensor_parallel_plan)
+            if split is None:  # init code that cannot run on the meta device: built whole, then split
+                return build_whole(factory, overwritten)
+            slots, named = split
         own = torch.get_rng_state()
         first = [own]
         if self.ctx.world_size > 1:
@@ -82,17 +89,35 @@ class SessionModels:
             dist.broadcast_object_list(first, src=0)
         skipped = frozenset(overwritten)
         if torch.equal(own, first[0]):
-            return build_sharded(factory, shard_slot(self.ctx.mesh), skipped)
+            return build_sharded(factory, shard_slot(self.ctx.mesh), skipped, slots, named)
         # Seeded apart (dropout, data order): this rank's own stream goes on from where a
         # plain build would leave it (own_stream.py), for the draws the build makes.
         torch.set_rng_state(first[0])
         replay = OwnStreamReplay(own)
         try:
             with replay:
-                model = build_sharded(factory, shard_slot(self.ctx.mesh), skipped)
+                model = build_sharded(factory, shard_slot(self.ctx.mesh), skipped, slots, named)
         finally:
             torch.set_rng_state(replay.own)
         return model
+
+    def _split_slots(self, factory: Callable[[], nn.Module], given: Mapping[str, str] | None
+                     ) -> tuple[list[ShardSlot], dict[str, ShardSlot]] | None:
+        """Where each parameter of a split model lies on this rank, by registration and by name:
+        the plan, checked on the model built on the meta device (before any real build), says
+        along which dimension each is split before FSDP2 shards its rows. A registration no
+        name keeps (a layer `nn.TransformerEncoder` copies) is held whole until the build ends.
+        None where the factory cannot build on the meta device."""
+        registered: list[nn.Parameter] = []
+        meta = meta_model(factory, registered)
+        if meta is None or self.ctx.mesh is None:
+            return None
+        plan = self.tensor_parallel_plan(meta, given)
+        dims = split_dims(meta, plan) if plan is not None else {}
+        base, mesh = shard_slot(self.ctx.mesh), self.ctx.mesh
+        named = {name: split_slot(base, mesh, dim) for name, dim in dims.items()}
+        by_identity = {id(param): named[name] for name, param in meta.named_parameters(remove_duplicate=False)}
+        return [by_identity.get(id(param), ShardSlot()) for param in registered], named
 
     def tensor_parallel_plan(self, model: nn.Module, given: Mapping[str, str] | None) -> TensorParallelPlan | None:
         """How `model` is split where the session splits models: `given` (module name patterns ->

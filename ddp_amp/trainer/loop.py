@@ -54,7 +54,7 @@ def build_task_model(session: Session, config: TrainConfig, task: Task, overwrit
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(config.seed)
-        return session.build_model(task.build_model, overwritten)
+        return session.build_model(task.build_model, overwritten, task.tensor_parallel_plan)
 
 
 class Trainer:
