@@ -30,10 +30,11 @@ from ddp_amp.command_line import parse_command_line
 from ddp_amp.metrics import QuietRunLog
 from ddp_amp.parallel import ShardOptions
 from ddp_amp.tasks import load_task
+from ddp_amp.torch_api import TENSOR_PARALLEL
 from ddp_amp.trainer import Trainer, seed_everything, session_for
 from tests.multiproc import in_turn, run_ranks
 from tests.test_shard_compile import _inductor_compiler
-from tests.torch_features import needs_sharding
+from tests.torch_features import needs, needs_sharding
 
 pytestmark = needs_sharding
 
@@ -75,19 +76,23 @@ def _others(a: str, b: str) -> dict[str, Any]:
     return {mode: None for mode in MODES if mode not in (a, b)}
 
 
-def _config(cell: dict[str, Any]) -> TrainConfig:
+def _config(cell: dict[str, Any], tensor_parallel: int = 1) -> TrainConfig:
+    # Split over both ranks (TP 2) the data-parallel dimension has one rank: the replicate mode
+    # then picks between sharding it (--shard) and replicating it (without), one rank each.
+    shard, replicate = (cell["replicate"] == 1, 1) if tensor_parallel > 1 else (True, cell["replicate"])
     return TrainConfig(task="lm", task_opt=LM_OPTIONS, device="cpu", batch_size=4, eval_every=0, log_every=10**6,
-                       shard=True, compile=cell["compile"], activation_checkpointing=cell["checkpointing"],
-                       shard_param_dtype=cell["gather"], replicate=cell["replicate"], precision=cell["precision"],
-                       max_steps=10**6)
+                       shard=shard, compile=cell["compile"], activation_checkpointing=cell["checkpointing"],
+                       shard_param_dtype=cell["gather"], replicate=replicate, precision=cell["precision"],
+                       max_steps=10**6, tensor_parallel=tensor_parallel)
 
 
-def _cell(ctx: DistContext, root: Path, index: int, resume: Path | None, name: str) -> dict[str, Any]:
+def _cell(ctx: DistContext, root: Path, index: int, resume: Path | None, name: str,
+          tensor_parallel: int = 1) -> dict[str, Any]:
     """Collective: cell `index` resumes `resume` (none for the first), trains STEPS steps and
     saves under root/name."""
     from torch._dynamo.utils import counters  # dynamo's tally of the graphs it compiled in this process
 
-    config = _config(dict(zip(MODES, CELLS[index], strict=True)))
+    config = _config(dict(zip(MODES, CELLS[index], strict=True)), tensor_parallel)
     seed_everything(config.seed)
     task = load_task("lm", config)
     seed_everything(config.seed + ctx.rank)
@@ -111,14 +116,14 @@ def _refusal(ctx: DistContext) -> str:
     return str(refused.value)
 
 
-def _chain(root: Path, compiler: bool) -> tuple[list[int], list[tuple[Any, ...]]]:
+def _chain(root: Path, compiler: bool, tensor_parallel: int = 1) -> tuple[list[int], list[tuple[Any, ...]]]:
     """The cells this machine runs (compiled ones only with a compiler), each resuming the one
     before, and the first once more resuming the last, so that every cell's checkpoint is
     resumed by another; with each one's call for in_turn."""
     cells = [index for index, cell in enumerate(CELLS) if compiler or not cell[0]]
     run = [*cells, cells[0]]
     calls = [(_cell, root, index, root / f"run-{position - 1}" / f"step-{STEPS * position:08d}" if position else None,
-              f"run-{position}") for position, index in enumerate(run)]
+              f"run-{position}", tensor_parallel) for position, index in enumerate(run)]
     return run, calls
 
 
@@ -144,6 +149,26 @@ def test_every_cell_trains_two_steps_from_the_checkpoint_of_another_and_the_refu
             assert ("replicated 2 times" in layout) == (replicate == 2), where
         assert "\n" not in refusal and refusal.startswith("ShardOptions.param_dtype='bf16'"), refusal
         assert 'precision="bf16"' in refusal, refusal
+
+
+@needs(TENSOR_PARALLEL)
+def test_every_cell_trains_split_over_two_ranks_and_resumes_another(tmp_path: Path) -> None:
+    """The same cells with the model split over both ranks (TP 2): each trains from another's
+    checkpoint; the replicate mode picks --shard (1) or none (2) for the one data-parallel rank."""
+    run, calls = _chain(tmp_path, _inductor_compiler() is not None, tensor_parallel=2)
+    for rank, cells in enumerate(run_ranks(in_turn, 2, *calls, timeout=900)):
+        for position, (index, result) in enumerate(zip(run, cells, strict=True)):
+            compiled, checkpointing, gather, _, _ = CELLS[index]
+            where = (rank, CELLS[index], result)
+            assert result["from"] == STEPS * position and result["to"] == STEPS * (position + 1), where
+            assert all(math.isfinite(loss) for loss in result["losses"]), where
+            layout = result["layout"]
+            assert layout.startswith("tensor parallel over 2 ranks (loss parallel)"), where
+            assert ("each unit compiled" in layout) == compiled, where
+            if index not in run[:position]:  # run again on a new mesh, the first cell's guards may recompile
+                assert (result["graphs"] > 0) == compiled, where
+            assert ("activation checkpointing per unit" in layout) == (checkpointing != "none"), where
+            assert ("parameters gathered in bf16" in layout) == (gather == "bf16"), where
 
 
 def test_bf16_gathers_under_fp16_are_refused_in_one_line_naming_both_flags() -> None:

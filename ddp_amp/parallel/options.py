@@ -65,15 +65,19 @@ class ParallelOptions(ComponentOptions):
                 raise UsageError(flag_of("static_graph"), True, "an option that works with --shard",
                                  f"{flag_of('static_graph')} is not supported with --shard yet; drop one of them")
             require_sharding((flag_of("shard"), flag_of("activation_checkpointing")), self.activation_checkpointing)
-        elif (not self.reshard_after_forward or self.activation_checkpointing != "none" or self.replicate != 1
-              or self.cpu_offload or self.shard_param_dtype != "fp32"):
-            name = next(name for name, on in (("activation_checkpointing", self.activation_checkpointing != "none"),
-                                              ("reshard_after_forward", not self.reshard_after_forward),
-                                              ("replicate", self.replicate != 1),
-                                              ("shard_param_dtype", self.shard_param_dtype != "fp32"),
-                                              ("cpu_offload", self.cpu_offload)) if on)
-            raise UsageError(flag_of(name), getattr(self, name), "--shard with it (it is a sharding option)",
-                             "add --shard, or drop it")
+        else:
+            # A split model is spread by FSDP2 even without --shard (its data-parallel ranks
+            # replicate it): the options of FSDP2's units apply to it; replicas are its own layout.
+            split = self.tensor_parallel > 1
+            on = [name for name, asked in (("activation_checkpointing", self.activation_checkpointing != "none"),
+                                           ("reshard_after_forward", not self.reshard_after_forward),
+                                           ("replicate", self.replicate != 1),
+                                           ("shard_param_dtype", self.shard_param_dtype != "fp32"),
+                                           ("cpu_offload", self.cpu_offload))
+                  if asked and not (split and name != "replicate")]
+            if on:
+                raise UsageError(flag_of(on[0]), getattr(self, on[0]), "--shard with it (it is a sharding option)",
+                                 "add --shard, or drop it")
 
 
 def check_gather_dtype(param_dtype: str, precision: str, names: tuple[str, str]) -> None:

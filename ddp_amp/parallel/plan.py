@@ -67,6 +67,8 @@ class ShardOptions:
     activation_checkpointing: bool | str = False
     # Replicas of the sharded model (HSDP): each shards it over world size / replicate
     # ranks, and gradients are averaged across replicas. The session lays its mesh out by it.
+    # 0: every data-parallel rank holds a replica, nothing sharded (a split model, tensor
+    # parallel, spread without sharding: FSDP2 all-reduces its gradients as DDP would).
     replicate: int = 1
     # The dtype parameters are all-gathered in: fp32 (DDP's numerics) or bf16 (half the bytes).
     param_dtype: str = "fp32"
@@ -77,9 +79,9 @@ class ShardOptions:
         object.__setattr__(self, "activation_checkpointing",
                            checkpointing_mode(self.activation_checkpointing, "ShardOptions.activation_checkpointing"))
         require_sharding(("ShardOptions", "ShardOptions.activation_checkpointing"), self.activation_checkpointing)
-        if self.replicate < 1:
-            raise UsageError("ShardOptions.replicate", self.replicate, "an integer >= 1",
-                             "1 shards over every rank; R > 1 makes R replicas, each sharded")
+        if self.replicate < 0:
+            raise UsageError("ShardOptions.replicate", self.replicate, "an integer >= 0",
+                             "1 shards over every rank; R > 1 makes R replicas, each sharded; 0 replicates")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ command line's session, the flag (`--precision`).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -48,12 +49,15 @@ def layout_shard(shard: ShardOptions | None, tensor_parallel: int, env: DistEnv,
     every data-parallel rank a replica (FSDP2 sharding over one rank each: gradients all-reduced,
     as DDP does, over a model DDP cannot wrap). A one-line UsageError naming the option by
     `names` for a degree the ranks cannot be laid out in."""
+    replicas = env.world_size // max(tensor_parallel, 1)  # every data-parallel rank one
+    if shard is not None and shard.replicate == 0:
+        shard = replace(shard, replicate=replicas)
     if tensor_parallel == 1:
         return shard
     TENSOR_PARALLEL.require(names["tensor_parallel"], tensor_parallel)
     check_tensor_parallel(tensor_parallel, env, names["tensor_parallel"])
     if shard is None:
-        return ShardOptions(replicate=env.world_size // tensor_parallel)
+        return ShardOptions(replicate=replicas)
     if shard.cpu_offload:
         raise UsageError(names["cpu_offload"], True, f"no offload with {names['tensor_parallel']}",
                          "a split model's shards stay on the GPU; drop one of them")

@@ -16,12 +16,13 @@ from ddp_amp.session.choices import FLAGS
 
 
 def shard_options(config: TrainConfig) -> ShardOptions | None:
-    """FSDP2's settings where the run shards its model; None where DDP replicates it."""
+    """FSDP2's settings where the run shards its model, or splits it (tensor parallel: FSDP2
+    then replicates it over the data-parallel ranks without --shard); None where DDP replicates it."""
     parallel = config.parallel_options()
-    if not parallel.shard:
+    if not parallel.shard and parallel.tensor_parallel == 1:
         return None
     return ShardOptions(parallel.reshard_after_forward, parallel.activation_checkpointing,
-                        replicate=parallel.replicate, param_dtype=parallel.shard_param_dtype,
+                        replicate=parallel.replicate if parallel.shard else 0, param_dtype=parallel.shard_param_dtype,
                         cpu_offload=parallel.cpu_offload)
 
 
