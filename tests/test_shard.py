@@ -170,18 +170,21 @@ class _Blocks(nn.Module):
         return self.head(x)
 
 
-def _one_rank_inf(ctx: DistContext, shard: bool, inf_at: tuple[int, ...], replicate: int = 1) -> dict[str, Any]:
+def _one_rank_inf(ctx: DistContext, shard: bool, inf_at: tuple[int, ...], replicate: int = 1,
+                  tensor_parallel: int = 1, ranks_per_batch: int = 1) -> dict[str, Any]:
     """fp16, an inf written into rank 1's part of one gradient at `inf_at`: the skips, the scales,
-    the norms before clipping and the final weights, whole (collective). `replicate` > 1: HSDP."""
+    the norms before clipping and the final weights, whole (collective). `replicate` > 1: HSDP;
+    `tensor_parallel` > 1: the blocks split over that many ranks; `ranks_per_batch`
+    consecutive ranks draw the same batch (a tensor-parallel group does)."""
     options = ShardOptions(replicate=replicate) if shard else None
     with Session("fp16", "cpu", backend="gloo", scaler_options={"init_scale": 256.0}, environ=os.environ,
-                 shard=options) as session:
+                 shard=options, tensor_parallel=tensor_parallel) as session:
         torch.manual_seed(0)
-        model = session.setup(_Blocks())
+        model = session.setup(_Blocks(), tensor_parallel_plan={"blocks.0": "colwise", "blocks.1": "rowwise"})
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         skipped, scales, norms = [], [], []
         for step in range(6):
-            generator = torch.Generator().manual_seed(100 * step + ctx.rank)
+            generator = torch.Generator().manual_seed(100 * step + ctx.rank // ranks_per_batch)
             x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)
             with session.autocast():
                 loss = nn.functional.mse_loss(model(x), y)
