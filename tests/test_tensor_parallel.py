@@ -155,3 +155,55 @@ def test_a_split_run_reads_its_slices_of_pretrained_weights_and_exports_whole_on
         assert torch.equal(loaded.eval()(tokens).logits, trained.eval()(tokens).logits)
         moved = max((a - b).abs().max().item() for a, b in zip(trained.parameters(), original.parameters()))
         assert 0 < moved < 0.01, moved  # trained from the pretrained weights, not from another init
+
+
+@pytest.mark.parametrize(("flags", "fragment"), [
+    (["--tensor-parallel", "2"], "--tensor-parallel=2: expected a divisor of the ranks on a node (1)"),
+    (["--tensor-parallel", "2", "--static-graph"], "--static-graph=True: expected an option that works with "
+                                                   "--tensor-parallel"),
+    (["--tensor-parallel", "2", "--replicate", "2"], "--replicate=2: expected --shard with it"),
+])
+def test_a_layout_that_cannot_split_is_one_line_before_anything_is_written(
+        flags: list[str], fragment: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ddp_amp.train import main as train_main
+
+    run = tmp_path / "run"
+    assert train_main(["--task", "mlp", "--device", "cpu", "--max-steps", "2", "--run-dir", str(run), *flags]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0] and "hint:" in lines[0], lines
+    assert not run.exists()
+
+
+def test_a_plan_that_cannot_split_the_model_is_one_line() -> None:
+    """Checked on the model alone (a meta-device one will do): head counts, the modules a plan
+    names, their kinds and sizes, a style unknown; a transformers model without a plan."""
+    from torch import nn
+
+    from ddp_amp import UsageError
+    from ddp_amp.hf import model_tensor_parallel_plan
+    from ddp_amp.parallel import TensorParallelPlan, check_plan
+
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=128, hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,
+            num_key_value_heads=3))
+        gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2))
+        mlp = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 8))
+    own = model_tensor_parallel_plan(llama)
+    assert own is not None
+    check_plan(llama, TensorParallelPlan(own.styles, own.divisible, own.source), 3)  # 6 and 3 heads: fine
+    cases = [
+        (llama, TensorParallelPlan(own.styles, own.divisible, own.source), 2, "num_key_value_heads (3)"),
+        (mlp, TensorParallelPlan({"blocks.*.fc": "colwise"}), 2, "matches no Linear of the model"),
+        (mlp, TensorParallelPlan({"0": "colwise", "1": "rowwise"}), 2, "1 is a ReLU; name the Linear"),
+        (mlp, TensorParallelPlan({"0": "colwise", "2": "rowwise"}), 4, "divides 0.out_features (6)"),
+        (mlp, TensorParallelPlan({"0": "diagonal"}), 2, "one of colwise, rowwise, embedding, head, norm"),
+    ]
+    for model, plan, degree, fragment in cases:
+        with pytest.raises(UsageError) as refused:
+            check_plan(model, plan, degree)
+        assert fragment in str(refused.value) and "\n" not in str(refused.value), (fragment, str(refused.value))
+    with pytest.raises(UsageError) as refused:
+        model_tensor_parallel_plan(gpt2)
+    assert "GPT2LMHeadModel has none" in str(refused.value) and "\n" not in str(refused.value)

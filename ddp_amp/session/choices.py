@@ -31,11 +31,15 @@ FLAGS: Mapping[str, str] = {"precision": "--precision", "device": "--device", "p
 
 def resolve_choices(precision: str | torch.dtype, device: DeviceChoice, backend: str, env: DistEnv,
                     fp8_emulate: bool, shard: ShardOptions | None,
-                    names: Mapping[str, str]) -> tuple[torch.device, Precision]:
+                    names: Mapping[str, str], tensor_parallel: int = 1) -> tuple[torch.device, Precision]:
     """This rank's device and precision, or a one-line UsageError naming the option by `names`
     (no collective: every rank of a node decides alike)."""
     chosen = resolve_device(device, env, backend, names["device"])
     resolved = resolve_precision(precision, chosen, fp8_emulate, names["precision"])
+    if tensor_parallel > 1 and resolved.float8_linears:
+        # torch's parallel styles split nn.Linear; float8's linears need styles of their own (torchao's)
+        raise UsageError(names["precision"], "fp8", f"bf16 or fp32 with {names['tensor_parallel']}",
+                         "float8 linear layers are not split by tensor parallelism here; drop one of them")
     if shard is not None:
         check_gather_dtype(shard.param_dtype, resolved.name, (names["param_dtype"], names["precision"]))
         if shard.replicate > 1 and resolve_backend(backend, chosen) == "gloo":  # type: ignore[arg-type]

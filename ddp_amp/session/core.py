@@ -106,7 +106,7 @@ class Session(SessionPlace, SessionSaving):
         # data-parallel ranks by FSDP2, sharded or (without shard=) replicated.
         self._shard = layout_shard(self._shard, self._tensor_parallel, env, self.option_names)
         chosen, self._precision = resolve_choices(precision, device, backend, env, fp8_emulate, self._shard,
-                                                  self.option_names)
+                                                  self.option_names, self._tensor_parallel)
         # A group the caller made before is the caller's to destroy; one we make is ours.
         owns_group = not dist.is_initialized()
         ctx = init_distributed(env, chosen, backend, timeout_s, group_of_one=self._shard is not None,
