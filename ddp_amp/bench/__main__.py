@@ -39,13 +39,13 @@ from typing import Any, NoReturn
 import torch
 
 from ddp_amp.bench import (activation_memory, amp_recipe, build_memory, checkpoint_stall, data, fastpaths, host,
-                           memory, overhead, rank_zero, resume, scale, table, transformer)
+                           memory, overhead, rank_zero, resume, scale, table, tensor_parallel, transformer)
 from ddp_amp.bench.targets import check_report, check_text
 from ddp_amp.fast_exit import exit_process
 from ddp_amp.torch_api import SHARDING
 
 SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint", "memory", "resume", "scale",
-            "data")
+            "data", "tp")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the liveness watch at 64 to 16,384 ranks against one real store, every rank with its own connection "
         "at its real beat rate: the store's and the judges' CPU, the beat rate achieved against the one asked, "
         "the detection time of a lost rank and the live ranks named; (data) tokenizing JSON lines per core "
-        "against datasets.map, the causal_lm loader's draw against its step, a rank's memory with 1e9 windows. "
+        "against datasets.map, the causal_lm loader's draw against its step, a rank's memory with 1e9 windows; (tp) "
+        "the parameters and activations a rank holds of a transformers Llama (Llama 3.2 1B's shape) split over "
+        "1, 2 and 4 ranks (tensor, sequence and loss parallel) against sharded over as many. "
         "Defaults depend on the device: recipe sizes on CUDA, 1/16 of them and short runs on CPU.")
     parser.add_argument("--scale-ranks", default=",".join(map(str, scale.RANKS)),
                         help="the scale section's world sizes, comma-separated (default: %(default)s)")
@@ -162,6 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--build-runs", type=int, default=build_memory.RUNS,
                         help="memory, peak while built and sharded: how many times the Llama is built, each in "
                         "fresh processes (default: %(default)s)")
+    parser.add_argument("--tp-width", type=int, default=tensor_parallel.LlamaShape.width,
+                        help="tp: the Llama's hidden size, at Llama 3.2 1B's proportions (default: %(default)s, "
+                        "1.24B parameters with the other defaults)")
+    parser.add_argument("--tp-layers", type=int, default=tensor_parallel.LlamaShape.layers,
+                        help="tp: the Llama's layers (default: %(default)s)")
+    parser.add_argument("--tp-vocab", type=int, default=tensor_parallel.LlamaShape.vocab,
+                        help="tp: the Llama's vocabulary (default: %(default)s)")
+    parser.add_argument("--tp-tokens", type=int, default=tensor_parallel.LlamaShape.tokens,
+                        help="tp: tokens of the one sequence measured (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per process (default: all cores for recipe trials, cores/ranks for ranks)")
     parser.add_argument("--check", action="store_true",
@@ -234,7 +245,7 @@ def _device_name(device: str) -> str:
 
 
 # The sections that shard a model (FSDP2, DCP checkpoints), and why a torch too old for it runs none of them.
-SHARDED_SECTIONS = ("memory", "resume")
+SHARDED_SECTIONS = ("memory", "resume", "tp")
 _CANNOT_SHARD = (f"{SHARDING.name} needs torch >= {SHARDING.needs[0]}.{SHARDING.needs[1]}; "
                  f"this is torch {torch.__version__}")
 
@@ -298,6 +309,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         section = resume.run(widths=args.resume_widths, emulated=args.resume_ranks, repeats=args.resume_repeats)
         report["sections"]["resume"] = section
         print("\n" + resume.resume_table(section), flush=True)
+    if "tp" in args.sections and SHARDING.available():
+        section = tensor_parallel.run(tensor_parallel.LlamaShape.of(args.tp_width, args.tp_layers, args.tp_vocab,
+                                                                     args.tp_tokens))
+        report["sections"]["tp"] = section
+        print("\n" + tensor_parallel.tp_table(section), flush=True)
     if "scale" in args.sections:
         section = scale.run(tuple(int(n) for n in args.scale_ranks.split(",")), args.scale_silence,
                             args.scale_beats_per_s)

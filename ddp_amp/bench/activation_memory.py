@@ -34,7 +34,7 @@ WIDTH, LAYERS = 512, 4  # the feed-forward is 4 x the width
 BATCH, TOKENS = 16, 256
 
 
-class _LiveOutputs(TorchDispatchMode):
+class LiveOutputs(TorchDispatchMode):
     """Remembers the storage of every op output while active; `alive_bytes` sums those still held."""
 
     def __init__(self) -> None:
@@ -67,7 +67,7 @@ def _kept(ctx: DistContext, width: int, layers: int, tokens: int) -> dict[str, i
             model = session.setup(TransformerLM(VOCAB, width, HEADS, 4 * width, layers, DROPOUT),
                                   units=(torch.nn.TransformerEncoderLayer,))
             inputs = torch.randint(0, VOCAB, (BATCH, tokens + 1))
-            counter = _LiveOutputs()
+            counter = LiveOutputs()
             with counter:
                 loss = lm_loss(model(inputs[:, :-1]), inputs[:, 1:])
             kept[mode] = counter.alive_bytes()
