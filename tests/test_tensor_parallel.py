@@ -4,8 +4,9 @@ parallel), alone and inside the data-parallel dimensions, trains as one rank doe
 `causal_lm` on a tiny Llama (text and masked conversations, fp32, 10 SGD steps with clipping):
 TP 2 on 2 ranks, TP 2 x shard 2 and TP 2 x replicate 2 on 4 give the 1-rank run's step losses
 within 1e-5 relative, and its weights after the 10 steps within 1e-5. Checkpoints move between
-shapes: TP 2 x shard 2 -> shard 4 -> TP 2 x replicate 2 on 4 ranks, and TP 2 on 2 ranks -> one
-rank, each continuing with the 1-rank run's losses within 1e-6. Trainers are built in-process on
+shapes: TP 2 x shard 2 -> shard 4 -> TP 2 x replicate 2 on 4 ranks -> DDP on 2, and TP 2 on 2
+ranks -> one rank, each continuing with the 1-rank run's losses within 1e-6 (so every shape
+trained on the same windows at every step). Trainers are built in-process on
 each rank as `ddp_amp.train` builds them; the module fixture runs every shape once (a process
 group per world size) and the tests read it.
 """
@@ -53,47 +54,55 @@ def _losses(trainer: Any, steps: int) -> list[float]:
     return [trainer._mean_across_ranks(trainer.train_step()) for _ in range(steps)]
 
 
+Chain = list[tuple[int, bool, int]]  # (tensor parallel, shard, steps) in turn, each resuming the one before
+
+
 def _train(ctx: DistContext, corpus: dict[str, Path], root: Path, shapes: list[tuple[int, bool]],
-           chain: list[tuple[int, bool, int]], resume: Path | None = None) -> dict[str, Any]:
+           chains: list[tuple[Path | None, Chain]] | None = None, resume: Path | None = None) -> dict[str, Any]:
     """Collective: STEPS steps in each of `shapes` (the losses, whole weights and layout of each);
-    then `chain`: each (tp, shard, steps) resumes the one before's checkpoint (the first saves
-    after its steps); `resume`: a checkpoint to continue to STEPS on this world size."""
+    each chain's links in turn, the first resuming the chain's checkpoint where it has one,
+    each link resuming the one before and saving after its steps (the losses and the last
+    checkpoint of each chain); `resume`: a checkpoint to continue to STEPS, replicated."""
     runs, chained = [], []
     for tensor_parallel, shard in shapes:
         trainer = build_trainer(_config(corpus, tensor_parallel, shard), ctx, None)
         runs.append({"losses": _losses(trainer, STEPS), "weights": whole_state(trainer.model),
                      "layout": trainer.layout})
         del trainer
-    saved = None
-    for tensor_parallel, shard, steps in chain:
-        trainer = build_trainer(_config(corpus, tensor_parallel, shard), ctx, root / "chain")
-        if saved is not None:
-            trainer.load_checkpoint(saved)
-        chained += _losses(trainer, steps)
-        saved = trainer.save_checkpoint()
-        del trainer
+    for index, (saved, links) in enumerate(chains or []):
+        losses: list[float] = []
+        for tensor_parallel, shard, steps in links:
+            trainer = build_trainer(_config(corpus, tensor_parallel, shard), ctx, root / f"chain-{index}")
+            if saved is not None:
+                trainer.load_checkpoint(saved)
+            losses += _losses(trainer, steps)
+            saved = trainer.save_checkpoint()
+            del trainer
+        chained.append({"losses": losses, "saved": saved})
     resumed: list[float] = []
     if resume is not None:
         trainer = build_trainer(_config(corpus), ctx, root / "resumed")
         trainer.load_checkpoint(resume)
         resumed = _losses(trainer, STEPS - trainer.step)
-    return {"runs": runs, "chained": chained, "saved": saved, "resumed": resumed}
+    return {"runs": runs, "chained": chained, "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
 def trained(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("tp-runs")
     results: dict[str, Any] = {}
-    # 2 ranks: TP 2, and TP 2 for 5 steps saved, for one rank to continue
-    pair = run_ranks(_train, 2, corpus, root / "2", [SHAPES["tp2"][:2]], [(2, False, 5)], timeout=900)[0]
-    results["tp2"] = pair["runs"][0]
-    alone = run_ranks(_train, 1, corpus, root / "1", [(1, False)], [], pair["saved"], timeout=600)[0]
-    results["1 rank"], results["tp2 -> 1 rank"] = alone["runs"][0], pair["chained"] + alone["resumed"]
     names = [name for name, shape in SHAPES.items() if shape[2] == 4]
     four = run_ranks(_train, 4, corpus, root / "4", [SHAPES[name][:2] for name in names],
-                     [(2, True, 4), (1, True, 3), (2, False, 3)], timeout=900)[0]
+                     [(None, [(2, True, 3), (1, True, 2), (2, False, 2)])], timeout=900)[0]
     results.update(zip(names, four["runs"]))
-    results["tp2 x shard2 -> shard4 -> tp2 x replicate2"] = four["chained"]
+    # 2 ranks: TP 2; DDP continuing the 4 ranks' chain; TP 2 for 5 steps saved, for one rank to continue
+    pair = run_ranks(_train, 2, corpus, root / "2", [SHAPES["tp2"][:2]],
+                     [(four["chained"][0]["saved"], [(1, False, 3)]), (None, [(2, False, 5)])], timeout=900)[0]
+    alone = run_ranks(_train, 1, corpus, root / "1", [(1, False)], [], pair["chained"][1]["saved"], timeout=600)[0]
+    results["tp2"], results["1 rank"] = pair["runs"][0], alone["runs"][0]
+    results["tp2 x shard2 -> shard4 -> tp2 x replicate2 -> ddp"] = (four["chained"][0]["losses"]
+                                                                     + pair["chained"][0]["losses"])
+    results["tp2 -> 1 rank"] = pair["chained"][1]["losses"] + alone["resumed"]
     return results
 
 
@@ -111,7 +120,7 @@ def test_a_split_model_trains_as_one_rank_does(shape: str, trained: dict[str, An
     assert worst[0] <= 1e-5, worst
 
 
-@pytest.mark.parametrize("chain", ["tp2 x shard2 -> shard4 -> tp2 x replicate2", "tp2 -> 1 rank"])
+@pytest.mark.parametrize("chain", ["tp2 x shard2 -> shard4 -> tp2 x replicate2 -> ddp", "tp2 -> 1 rank"])
 def test_a_checkpoint_resumes_on_another_shape_with_the_straight_runs_losses(chain: str,
                                                                             trained: dict[str, Any]) -> None:
     straight = trained["1 rank"]["losses"]
