@@ -20,7 +20,7 @@ import pytest
 from ddp_amp.bench import overhead, transformer
 from ddp_amp.bench.__main__ import check
 from ddp_amp.bench.targets import check_report, target_fields
-from ddp_amp.torch_api import GLOO_CONNECTS_LAZILY, SHARDING
+from ddp_amp.torch_api import GLOO_CONNECTS_LAZILY, SHARDING, TENSOR_PARALLEL
 from tests.multiproc import REPO_ROOT, cli_env
 
 Run = tuple[subprocess.CompletedProcess[str], dict[str, Any]]
@@ -67,6 +67,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                     "--scale-ranks", "16", "--scale-silence", "2", "--resume-ranks", "4,16", "--resume-widths", "256",
                     "--resume-repeats", "1",
                     "--data-copies", "1", "--data-trials", "1",
+                    "--tp-width", "64", "--tp-layers", "1", "--tp-vocab", "512", "--tp-tokens", "16",
                     "--check", "--json", str(out))
     assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-3000:]
     return result, json.loads(out.read_text())
@@ -128,11 +129,23 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None
     # few KiB or MiB are shown but not held to the target.
     if SHARDING.available():  # else not run (test_check_lists_every_target... checks the reason)
         build = report["sections"]["memory"]["build"]
-        (llama_row,) = build["llama"]["rows"]
-        assert len(llama_row["of_share_per_rank"]) == 4 and "transformers LlamaForCausalLM" in text
-        sharded = [row for row in [*build["rows"], llama_row] if "target" in row]
-        assert len(sharded) == 4
+        llama_row, *split_rows = build["llama"]["rows"]  # and, where torch splits, one built split 2 x sharded 2
+        assert len(split_rows) == int(TENSOR_PARALLEL.available())
+        assert all(len(row["of_share_per_rank"]) == 4 for row in [llama_row, *split_rows])
+        assert "transformers LlamaForCausalLM" in text
+        sharded = [row for row in [*build["rows"], llama_row, *split_rows] if "target" in row]
+        assert len(sharded) == 4 + len(split_rows)
         assert all(row["meets_target"] is None and "too small" in row["target_note"] for row in sharded)
+    # What a rank holds of a small Llama split over 2 and 4 ranks, and sharded over as many: the
+    # parameters fall about as 1/N either way; the targets apply from a width of 1024.
+    if TENSOR_PARALLEL.available():
+        rows = report["sections"]["tp"]["rows"]
+        assert [(row["layout"], row["ranks"]) for row in rows] == [
+            ("one rank", 1), ("sharded", 2), ("split", 2), ("sharded", 4), ("split", 4)]
+        for row in rows[1:]:
+            assert 0.9 / row["ranks"] < row["parameters_ratio"] < 1.3 / row["ranks"], row
+        assert all(check["meets_target"] is None for row in rows for check in row.get("target_checks", []))
+        assert "Tensor parallel: per rank, a Llama of width 64" in text
     # The real judges against one real store, 16 ranks each with its own connection, one
     # stopping: named, and no other; the rate achieved is reported beside the one asked.
     (scale_row,) = report["sections"]["scale"]["rows"]

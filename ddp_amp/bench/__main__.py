@@ -42,7 +42,7 @@ from ddp_amp.bench import (activation_memory, amp_recipe, build_memory, checkpoi
                            memory, overhead, rank_zero, resume, scale, table, tensor_parallel, transformer)
 from ddp_amp.bench.targets import check_report, check_text
 from ddp_amp.fast_exit import exit_process
-from ddp_amp.torch_api import SHARDING
+from ddp_amp.torch_api import SHARDING, TENSOR_PARALLEL
 
 SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint", "memory", "resume", "scale",
             "data", "tp")
@@ -245,7 +245,7 @@ def _device_name(device: str) -> str:
 
 
 # The sections that shard a model (FSDP2, DCP checkpoints), and why a torch too old for it runs none of them.
-SHARDED_SECTIONS = ("memory", "resume", "tp")
+SHARDED_SECTIONS = ("memory", "resume")
 _CANNOT_SHARD = (f"{SHARDING.name} needs torch >= {SHARDING.needs[0]}.{SHARDING.needs[1]}; "
                  f"this is torch {torch.__version__}")
 
@@ -309,9 +309,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         section = resume.run(widths=args.resume_widths, emulated=args.resume_ranks, repeats=args.resume_repeats)
         report["sections"]["resume"] = section
         print("\n" + resume.resume_table(section), flush=True)
-    if "tp" in args.sections and SHARDING.available():
-        section = tensor_parallel.run(tensor_parallel.LlamaShape.of(args.tp_width, args.tp_layers, args.tp_vocab,
-                                                                     args.tp_tokens))
+    if "tp" in args.sections:
+        if TENSOR_PARALLEL.available():
+            section = tensor_parallel.run(tensor_parallel.LlamaShape.of(args.tp_width, args.tp_layers,
+                                                                         args.tp_vocab, args.tp_tokens))
+        else:
+            section = {"skipped": f"{TENSOR_PARALLEL.name} needs torch >= {TENSOR_PARALLEL.needs[0]}."
+                                  f"{TENSOR_PARALLEL.needs[1]}; this is torch {torch.__version__}"}
         report["sections"]["tp"] = section
         print("\n" + tensor_parallel.tp_table(section), flush=True)
     if "scale" in args.sections:

@@ -11,7 +11,9 @@ Two models, each world and way in fresh processes (gloo on CPU):
   key/value heads, a 32,000-word vocabulary tied to the head: 1.04B parameters, 3.9 GiB in
   fp32), built sharded on 4 ranks `runs` times, where transformers is installed: a real
   architecture's init (each Linear drawn twice, once by torch and once by transformers, the
-  embedding and the head a 250 MiB tensor each).
+  embedding and the head a 250 MiB tensor each); and once split over 2 ranks and sharded over
+  2 (`tensor_parallel=2`, the model's own plan: each rank builds its part of each split
+  parameter's rows or columns, then of FSDP2's rows).
 
 Per rank it reads the resident memory just before the build (the process's baseline:
 Python, torch, the process group, the model's modules imported and a tiny one built) and
@@ -42,6 +44,7 @@ from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.parallel import ShardOptions
 from ddp_amp.session import Session
 from ddp_amp.tasks.mlp import make_model
+from ddp_amp.torch_api import TENSOR_PARALLEL
 
 WIDTH, LAYERS = 4608, 24
 RANKS = (1, 2, 4)
@@ -57,8 +60,8 @@ def llama(width: int, layers: int, vocab: int = 32000) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=4 * width,
-                         num_hidden_layers=layers, num_attention_heads=max(1, width // 64),
-                         num_key_value_heads=max(1, width // 256), tie_word_embeddings=True, use_cache=False,
+                         num_hidden_layers=layers, num_attention_heads=max(2, width // 64),
+                         num_key_value_heads=max(2, width // 256), tie_word_embeddings=True, use_cache=False,
                          bos_token_id=None, eos_token_id=None, pad_token_id=None)
     return LlamaForCausalLM(config)
 
@@ -69,13 +72,16 @@ def _factory(model: str, width: int, layers: int, vocab: int = 32000) -> Callabl
     return lambda: make_model(width, width, width, layers)
 
 
-def _peak(ctx: DistContext, model: str, width: int, layers: int, built_sharded: bool) -> dict[str, Any]:
-    """Collective: build and shard the model one way; this rank's baseline, peak, shard bytes and build time."""
+def _peak(ctx: DistContext, model: str, width: int, layers: int, built_sharded: bool,
+          tensor_parallel: int = 1) -> dict[str, Any]:
+    """Collective: build and shard (or split and shard) the model one way; this rank's baseline,
+    peak, shard bytes and build time."""
     device: DeviceChoice = "cuda" if ctx.device.type == "cuda" else "cpu"
     backend: BackendChoice = "nccl" if ctx.backend == "nccl" else "gloo"
     factory = _factory(model, width, layers)
     _factory(model, 256, 1, vocab=256)()  # the model's modules imported and first used before the baseline
-    with Session("fp32", device, backend, environ=os.environ, shard=ShardOptions()) as session:
+    with Session("fp32", device, backend, environ=os.environ, shard=ShardOptions(),
+                 tensor_parallel=tensor_parallel) as session:
         gc.collect()
         baseline = psutil.Process().memory_info().rss
         torch.manual_seed(0)
@@ -128,6 +134,10 @@ def run(device: str, width: int = WIDTH, layers: int = LAYERS, ranks: tuple[int,
             per_rank = run_ranks(_peak, LLAMA_RANKS, "llama", llama_width, llama_layers, True, device=device,
                                  backend=backend, timeout=1800)
             llama_rows.append(_row(per_rank, LLAMA_RANKS, True, name=name, variant="built sharded"))
+    if llama_layers and runs and _has_transformers() and device == "cpu" and TENSOR_PARALLEL.available():
+        per_rank = run_ranks(_peak, LLAMA_RANKS, "llama", llama_width, llama_layers, True, 2, device=device,
+                             backend=backend, timeout=1800)
+        llama_rows.append(_row(per_rank, LLAMA_RANKS, True, name="split 2 x sharded 2", variant="built split"))
     return {"width": width, "layers": layers, "parameters": layers * (width * width + width),
             "model_bytes": layers * (width * width + width) * 4, "rows": rows,
             "llama": {"width": llama_width, "layers": llama_layers, "rows": llama_rows}}
