@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ddp_amp.distributed import DistContext
-from ddp_amp.torch_api import TENSOR_PARALLEL
+from ddp_amp.torch_api import TENSOR_PARALLEL, DTensor
 from tests.multiproc import run_ranks
 from tests.resume_harness import build_trainer, config, whole_state
 from tests.text_model import conversations, corpus_documents, make_model_dir, write_jsonl
@@ -216,3 +216,54 @@ def test_a_plan_that_cannot_split_the_model_is_one_line() -> None:
     with pytest.raises(UsageError) as refused:
         model_tensor_parallel_plan(gpt2)
     assert "GPT2LMHeadModel has none" in str(refused.value) and "\n" not in str(refused.value)
+
+
+FAMILIES = ("Qwen2", "Mistral", "Gemma")
+
+
+def _family_step(ctx: DistContext) -> dict[str, dict[str, float]]:
+    """Collective (2 ranks): for each family, one forward and backward of a tiny model split by its
+    own plan, against the same model whole on this rank: the loss and the largest gradient
+    difference, relative."""
+    import transformers
+    from torch import nn
+
+    from ddp_amp import Session
+
+    found: dict[str, dict[str, float]] = {}
+    ids = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(3))  # the same on both ranks
+    with Session("fp32", "cpu", "gloo", tensor_parallel=2) as session:
+        for family in FAMILIES:
+            config = getattr(transformers, f"{family}Config")(
+                vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, use_cache=False)
+            models = []
+            for _ in range(2):  # the same weights twice: one whole, one to split
+                torch.manual_seed(0)
+                models.append(getattr(transformers, f"{family}ForCausalLM")(config))
+            whole, split = models[0], session.setup(models[1])
+            losses = {}
+            for name, model in (("whole", whole), ("split", split)):
+                with session.loss_parallel():
+                    logits = model(input_ids=ids[:, :16]).logits
+                    loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+                    loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+                    loss.backward()
+                losses[name] = float(loss)
+            grads = dict(whole.named_parameters())
+            worst = max(_relative(p.grad.full_tensor(), grads[name].grad)
+                        for name, p in session.unwrap(split).named_parameters())
+            found[family] = {"loss": abs(losses["split"] - losses["whole"]) / losses["whole"], "grad": worst,
+                             "layout": session.describe(split)}
+    return found
+
+
+def test_qwen2_mistral_and_gemma_split_by_their_own_plans_compute_what_one_rank_does() -> None:
+    """Qwen2's biased projections, Gemma's scaled embedding and (1 + weight) norms, Mistral:
+    each family's own plan, with sequence and loss parallel, on 2 real ranks."""
+    pytest.importorskip("transformers")
+    for rank, found in enumerate(run_ranks(_family_step, 2, timeout=600)):
+        for family in FAMILIES:
+            assert found[family]["layout"].startswith("tensor parallel over 2 ranks (sequence parallel, loss "
+                                                      "parallel)"), (rank, family, found[family])
+            assert found[family]["loss"] < 1e-6 and found[family]["grad"] < 1e-5, (rank, family, found[family])
