@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_amp.checkpoint.pretrained import INDEX, SINGLE
+from ddp_amp.hf.weights_in import INDEX, SINGLE
 from ddp_amp.durable import fsync_dir
 from ddp_amp.errors import UsageError
 from ddp_amp.torch_api import FSDPModule

@@ -1,11 +1,20 @@
 """The Hugging Face boundary: what reads or writes transformers' conventions, in one package.
 
+- `weights_in`: pretrained weights (a `.safetensors` file, or a Hugging Face model directory:
+  `model.safetensors`, or an index and several files) into a model by name, each rank reading
+  only the slices it holds (`--init-weights`), checked from the files' headers first;
+- `safetensors_file`: a `.safetensors` file's header and any slice of a tensor, read with
+  plain reads, never mapped;
 - `tp_plan`: a transformers model's own tensor-parallel plan (`_tp_plan`, from its config's
   `base_model_tp_plan`), in ddp_amp's styles, with sequence parallel on its blocks' norms.
 
-Imports `errors` from ddp_amp, nothing else; transformers only where a model is one.
+Imports `errors` and `torch_api` from ddp_amp, nothing else; transformers only where a model
+is one.
 """
 
 from ddp_amp.hf.tp_plan import ModelPlan, model_tensor_parallel_plan
+from ddp_amp.hf.weights_in import (LoadedWeights, WeightHeaders, WeightsMatch, load_pretrained, match_weights,
+                                   read_headers)
 
-__all__ = ["ModelPlan", "model_tensor_parallel_plan"]
+__all__ = ["LoadedWeights", "ModelPlan", "WeightHeaders", "WeightsMatch", "load_pretrained", "match_weights",
+           "model_tensor_parallel_plan", "read_headers"]
