@@ -39,13 +39,13 @@ from typing import Any
 
 import torch
 
-from ddp_amp.checkpoint import (HF_CONFIG, TIED, IncompleteCheckpoint, Meta, check_hf_output, checkpoint_root,
-                                complete_copy, list_step_dirs, module_file, parse_size, read_best, read_checkpoint,
-                                read_meta, resolve_resume, run_hf_config, run_hf_files, sharded_tensors,
-                                verify_checkpoint, write_hf_directory)
+from ddp_amp.checkpoint import (IncompleteCheckpoint, Meta, check_hf_output, checkpoint_root, complete_copy,
+                                list_step_dirs, module_file, parse_size, read_best, read_checkpoint, read_meta,
+                                resolve_resume, run_hf_files, sharded_tensors, verify_checkpoint, write_hf_directory)
 from ddp_amp.durable import write_atomic
 from ddp_amp.errors import UsageError
 from ddp_amp.fast_exit import exit_process
+from ddp_amp.hf import TIED, export_config, run_hf_config, unsharded_architectures
 from ddp_amp.version import __version__
 
 SOURCE = "RUN_DIR_OR_CHECKPOINT"
@@ -299,11 +299,10 @@ def export_hf(source: Path, output: Path, *, best: bool = False, force: bool = F
     check_hf_output(output, force)  # before reading gigabytes only to be refused
     checkpoint = locate_checkpoint(source, best, lambda message: _note(f"warning: {message}"))
     recorded = run_hf_config(checkpoint) or {}
-    config = _hf_config(checkpoint, hf_config, recorded)
+    config = export_config(checkpoint, hf_config, recorded)
     state, meta, step = read_model_state(checkpoint, module)
     if chosen_module(checkpoint, meta, module) in meta.sharded and hf_config is None:
-        # Runs before the record named the model's own class recorded FSDP's subclass of it.
-        config["architectures"] = [name.removeprefix("FSDP") for name in config.get("architectures", [])]
+        config["architectures"] = unsharded_architectures(config)
     exported = storable_tensors(state)
     # A tied weight once, under its first name, as save_pretrained writes it (the config ties it):
     # sharing storage where the checkpoint kept the tie, named in the run's record where a
@@ -320,24 +319,6 @@ def export_hf(source: Path, output: Path, *, best: bool = False, force: bool = F
 def _same_as(name: str | None, tensor: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> bool:
     """Whether `tensor` is a copy of `tensors[name]` (a tied weight's other name)."""
     return name is not None and name in tensors and torch.equal(tensors[name], tensor)
-
-
-def _hf_config(checkpoint: Path, given: Path | None, recorded: dict[str, Any]) -> dict[str, Any]:
-    """The transformers config to write: `--hf-config`'s (a config.json or a directory with one),
-    else the one the run recorded."""
-    if given is not None:
-        path = given / "config.json" if given.is_dir() else given
-        try:
-            loaded = json.loads(path.read_text())
-        except (OSError, ValueError) as error:
-            raise UsageError("--hf-config", str(given), "a transformers config.json, or a directory with one",
-                             f"{type(error).__name__}: {error}"[:200]) from None
-        if isinstance(loaded, dict):
-            return loaded
-    if not recorded:
-        raise UsageError("--hf", str(checkpoint), f"a run whose model is a transformers model (its {HF_CONFIG})",
-                         "this run recorded no transformers config; name one with --hf-config DIR_OR_CONFIG_JSON")
-    return dict(recorded)
 
 
 def export(source: Path, output: Path, *, best: bool = False, force: bool = False,

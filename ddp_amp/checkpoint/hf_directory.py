@@ -8,11 +8,8 @@ writes and `--init-weights` reads. A weight that is another's (tied: an LM head 
 embedding) is written once, under its first name, as `save_pretrained` writes it; the
 configuration says it is tied.
 
-The configuration comes from the run: a run whose model carries a transformers config
-(`model.config`) has it written to `hf_config.json` in its run directory when it starts,
-with the class `from_pretrained` rebuilds (the user's, not FSDP's sharded subclass) and,
-under `TIED`, which names are another's weight: a sharded checkpoint holds such a weight
-under each name, as separate tensors, so that is how an export knows to write it once.
+The configuration is the run's record of its transformers model (ddp_amp/hf/config.py),
+written without its `TIED` entry, which is ddp_amp's own.
 The directory appears whole or not at all (written under a temporary name, then renamed);
 an existing one is replaced only when asked, and that is checked before anything is read.
 """
@@ -28,15 +25,12 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from torch import nn
 
-from ddp_amp.hf.weights_in import INDEX, SINGLE
 from ddp_amp.durable import fsync_dir
 from ddp_amp.errors import UsageError
-from ddp_amp.torch_api import FSDPModule
+from ddp_amp.hf.config import TIED
+from ddp_amp.hf.weights_in import INDEX, SINGLE
 
-HF_CONFIG = "hf_config.json"  # in a run directory: the transformers config of its model
-TIED = "ddp_amp_tied_weights"  # in HF_CONFIG, not written out: {name: the earlier name it shares a weight with}
 HF_FILES = "hf_files"  # in a run directory: files written beside the weights (the tokenizer's)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -49,17 +43,6 @@ def parse_size(text: str) -> int:
         raise UsageError("--max-shard-size", text, "a size such as 5GB, 500MB or 20KiB",
                          "the largest weights file to write; a bigger tensor gets a file of its own")
     return int(float(match.group(1)) * _UNITS[unit])
-
-
-def run_hf_config(checkpoint: Path) -> dict[str, Any] | None:
-    """The transformers config recorded by the run that wrote `checkpoint` (its run directory
-    is two levels up: RUN/checkpoints/step-N), or None."""
-    for folder in (checkpoint.parent.parent, checkpoint.parent, checkpoint):
-        path = folder / HF_CONFIG
-        if path.is_file():
-            loaded = json.loads(path.read_text())
-            return loaded if isinstance(loaded, dict) else None
-    return None
 
 
 def run_hf_files(checkpoint: Path) -> dict[str, bytes]:
@@ -81,27 +64,6 @@ def plan_files(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[st
         files[-1].append(name)
         size += nbytes
     return files
-
-
-def hf_config_record(model: nn.Module) -> dict[str, Any] | None:
-    """What a run records in `HF_CONFIG` for a transformers model (one with `config.to_json_string`),
-    else None: the config, the class `from_pretrained` rebuilds (the model's own, not the
-    `FSDP<class>` subclass sharding made of it) and the tied names."""
-    hf_config: Any = getattr(model, "config", None)
-    if not hasattr(hf_config, "to_json_string"):
-        return None
-    recorded: dict[str, Any] = json.loads(hf_config.to_json_string())
-    recorded["architectures"] = [next(cls.__name__ for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))]
-    first: dict[int, str] = {}
-    tied: dict[str, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            tied[name] = first[id(param)]
-        else:
-            first[id(param)] = name
-    if tied:
-        recorded[TIED] = tied
-    return recorded
 
 
 def check_hf_output(output: Path, force: bool) -> None:

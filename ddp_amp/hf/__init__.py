@@ -1,5 +1,9 @@
 """The Hugging Face boundary: what reads or writes transformers' conventions, in one package.
 
+- `config`: a model directory's config, read offline (`model_config`); what a run records of
+  its transformers model for `export --hf` (`hf_config_record`: the config, the class
+  `from_pretrained` rebuilds, the tied names, in the run directory's `hf_config.json`), and the
+  config an export writes (`export_config`);
 - `weights_in`: pretrained weights (a `.safetensors` file, or a Hugging Face model directory:
   `model.safetensors`, or an index and several files) into a model by name, each rank reading
   only the slices it holds (`--init-weights`), checked from the files' headers first;
@@ -12,9 +16,12 @@ Imports `errors` and `torch_api` from ddp_amp, nothing else; transformers only w
 is one.
 """
 
+from ddp_amp.hf.config import (HF_CONFIG, TIED, export_config, hf_config_record, model_config,
+                               read_model_directory, run_hf_config, unsharded_architectures)
 from ddp_amp.hf.tp_plan import ModelPlan, model_tensor_parallel_plan
 from ddp_amp.hf.weights_in import (LoadedWeights, WeightHeaders, WeightsMatch, load_pretrained, match_weights,
                                    read_headers)
 
-__all__ = ["LoadedWeights", "ModelPlan", "WeightHeaders", "WeightsMatch", "load_pretrained", "match_weights",
-           "model_tensor_parallel_plan", "read_headers"]
+__all__ = ["HF_CONFIG", "TIED", "LoadedWeights", "ModelPlan", "WeightHeaders", "WeightsMatch", "export_config",
+           "hf_config_record", "load_pretrained", "match_weights", "model_config", "model_tensor_parallel_plan",
+           "read_headers", "read_model_directory", "run_hf_config", "unsharded_architectures"]
