@@ -41,11 +41,11 @@ import torch
 
 from ddp_amp.checkpoint import (IncompleteCheckpoint, Meta, check_hf_output, checkpoint_root, complete_copy,
                                 list_step_dirs, module_file, parse_size, read_best, read_checkpoint, read_meta,
-                                resolve_resume, run_hf_files, sharded_tensors, verify_checkpoint, write_hf_directory)
+                                resolve_resume, sharded_tensors, verify_checkpoint, write_hf_directory)
 from ddp_amp.durable import write_atomic
 from ddp_amp.errors import UsageError
 from ddp_amp.fast_exit import exit_process
-from ddp_amp.hf import TIED, export_config, run_hf_config, unsharded_architectures
+from ddp_amp.hf import TIED, export_config, run_hf_config, run_hf_files, unsharded_architectures
 from ddp_amp.version import __version__
 
 SOURCE = "RUN_DIR_OR_CHECKPOINT"

@@ -47,17 +47,17 @@ from ddp_amp.checkpoint.load import read_checkpoint
 from ddp_amp.checkpoint.manifest import IncompleteCheckpoint
 from ddp_amp.checkpoint.verify import verify_checkpoint
 from ddp_amp.checkpoint.meta import Meta, read_meta
-from ddp_amp.checkpoint.hf_directory import HF_FILES, check_hf_output, parse_size, run_hf_files, write_hf_directory
+from ddp_amp.checkpoint.hf_directory import check_hf_output, parse_size, write_hf_directory
 from ddp_amp.checkpoint.retention import apply_retention
 from ddp_amp.checkpoint.safe_types import safe_load
 from ddp_amp.checkpoint.save import ensure_writable
 from ddp_amp.checkpoint.sharded import sharded_tensors
 
 __all__ = [
-    "HF_FILES", "BestRecord", "Checkpointer", "IncompleteCheckpoint", "Meta",
+    "BestRecord", "Checkpointer", "IncompleteCheckpoint", "Meta",
     "Saved", "SavedState", "apply_retention", "check_hf_output", "checkpoint_root",
     "commit_checkpoint", "commit_directory", "complete_copy", "ensure_writable", "list_step_dirs",
     "module_file", "newest_complete", "parse_size", "read_best",
-    "read_checkpoint", "read_meta", "resolve_resume", "run_hf_files", "safe_load",
+    "read_checkpoint", "read_meta", "resolve_resume", "safe_load",
     "sharded_tensors", "step_dir_name", "verify_checkpoint", "write_best", "write_hf_directory",
 ]

@@ -31,7 +31,6 @@ from ddp_amp.errors import UsageError
 from ddp_amp.hf.config import TIED
 from ddp_amp.hf.weights_in import INDEX, SINGLE
 
-HF_FILES = "hf_files"  # in a run directory: files written beside the weights (the tokenizer's)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -43,13 +42,6 @@ def parse_size(text: str) -> int:
         raise UsageError("--max-shard-size", text, "a size such as 5GB, 500MB or 20KiB",
                          "the largest weights file to write; a bigger tensor gets a file of its own")
     return int(float(match.group(1)) * _UNITS[unit])
-
-
-def run_hf_files(checkpoint: Path) -> dict[str, bytes]:
-    """The files (a tokenizer's) the run that wrote `checkpoint` keeps for its export, by name."""
-    folder = checkpoint.parent.parent / HF_FILES
-    return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file()} \
-        if folder.is_dir() else {}
 
 
 def plan_files(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:

@@ -4,6 +4,8 @@
   its transformers model for `export --hf` (`hf_config_record`: the config, the class
   `from_pretrained` rebuilds, the tied names, in the run directory's `hf_config.json`), and the
   config an export writes (`export_config`);
+- `tokenizer`: a model directory's tokenizer files (hashed into the data cache's key, kept
+  in the run directory's `hf_files/` for `export --hf`) and its fast tokenizer, read offline;
 - `weights_in`: pretrained weights (a `.safetensors` file, or a Hugging Face model directory:
   `model.safetensors`, or an index and several files) into a model by name, each rank reading
   only the slices it holds (`--init-weights`), checked from the files' headers first;
@@ -18,10 +20,13 @@ is one.
 
 from ddp_amp.hf.config import (HF_CONFIG, TIED, export_config, hf_config_record, model_config,
                                read_model_directory, run_hf_config, unsharded_architectures)
+from ddp_amp.hf.tokenizer import (HF_FILES, TOKENIZER_FILES, load_tokenizer, run_hf_files, saved_call_settings,
+                                  tokenizer_files)
 from ddp_amp.hf.tp_plan import ModelPlan, model_tensor_parallel_plan
 from ddp_amp.hf.weights_in import (LoadedWeights, WeightHeaders, WeightsMatch, load_pretrained, match_weights,
                                    read_headers)
 
-__all__ = ["HF_CONFIG", "TIED", "LoadedWeights", "ModelPlan", "WeightHeaders", "WeightsMatch", "export_config",
-           "hf_config_record", "load_pretrained", "match_weights", "model_config", "model_tensor_parallel_plan",
-           "read_headers", "read_model_directory", "run_hf_config", "unsharded_architectures"]
+__all__ = ["HF_CONFIG", "HF_FILES", "TIED", "TOKENIZER_FILES", "LoadedWeights", "ModelPlan", "WeightHeaders",
+           "WeightsMatch", "export_config", "hf_config_record", "load_pretrained", "load_tokenizer", "match_weights",
+           "model_config", "model_tensor_parallel_plan", "read_headers", "read_model_directory", "run_hf_config",
+           "run_hf_files", "saved_call_settings", "tokenizer_files", "unsharded_architectures"]

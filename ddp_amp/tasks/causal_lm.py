@@ -44,11 +44,10 @@ from ddp_amp.data.encoding import TextFormat
 from ddp_amp.data.packing import TRUNCATION_MODES
 from ddp_amp.data.readers import SAMPLE_BY
 from ddp_amp.data.text_data import WindowOptions, text_datasets
-from ddp_amp.data.token_cache import tokenizer_files
 from ddp_amp.data.windows import IGNORE
 from ddp_amp.distributed import on_every_rank
 from ddp_amp.errors import UsageError
-from ddp_amp.hf import model_config, read_model_directory
+from ddp_amp.hf import load_tokenizer, model_config, tokenizer_files
 from ddp_amp.tasks import parse_task_options
 from ddp_amp.torch_api import DOCUMENT_MASKS
 
@@ -110,20 +109,6 @@ def lr_factor(kind: str, warmup: int, total: int) -> Callable[[int], float]:
             return 1.0 - progress
         return 0.5 * (1.0 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0
     return factor
-
-
-def load_tokenizer(directory: str) -> Any:
-    """The directory's own fast tokenizer, offline."""
-    if not tokenizer_files(Path(directory)):
-        raise UsageError("--task-opt model", directory, "a model directory with its tokenizer (tokenizer.json)",
-                         "save the tokenizer beside the model: tokenizer.save_pretrained(DIR)")
-    from transformers import AutoTokenizer
-    tokenizer = read_model_directory(directory, "a tokenizer transformers reads",
-                                      lambda: AutoTokenizer.from_pretrained(directory, local_files_only=True))
-    if not hasattr(tokenizer, "backend_tokenizer"):
-        raise UsageError("--task-opt model", directory, "a fast tokenizer (tokenizer.json)",
-                         "convert it once: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)")
-    return tokenizer
 
 
 def _logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
