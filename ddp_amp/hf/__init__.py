@@ -9,13 +9,16 @@
 - `weights_in`: pretrained weights (a `.safetensors` file, or a Hugging Face model directory:
   `model.safetensors`, or an index and several files) into a model by name, each rank reading
   only the slices it holds (`--init-weights`), checked from the files' headers first;
+- `weights_out`: a state dict as safetensors, one file (`export`) or a Hugging Face model
+  directory (`export --hf`: config.json, weights files of at most a size and their index, a
+  tied weight once, the tokenizer's files beside them), each appearing whole or not at all;
 - `safetensors_file`: a `.safetensors` file's header and any slice of a tensor, read with
   plain reads, never mapped;
 - `tp_plan`: a transformers model's own tensor-parallel plan (`_tp_plan`, from its config's
   `base_model_tp_plan`), in ddp_amp's styles, with sequence parallel on its blocks' norms.
 
-Imports `errors` and `torch_api` from ddp_amp, nothing else; transformers only where a model
-is one.
+Imports `errors`, `durable` and `torch_api` from ddp_amp, nothing else; transformers and
+safetensors only where they are used.
 """
 
 from ddp_amp.hf.config import (HF_CONFIG, TIED, export_config, hf_config_record, model_config,
@@ -25,8 +28,12 @@ from ddp_amp.hf.tokenizer import (HF_FILES, TOKENIZER_FILES, load_tokenizer, run
 from ddp_amp.hf.tp_plan import ModelPlan, model_tensor_parallel_plan
 from ddp_amp.hf.weights_in import (LoadedWeights, WeightHeaders, WeightsMatch, load_pretrained, match_weights,
                                    read_headers)
+from ddp_amp.hf.weights_out import (ExportedTensors, check_hf_output, parse_size, require_safetensors,
+                                    storable_tensors, tied_once, write_hf_directory, write_safetensors)
 
-__all__ = ["HF_CONFIG", "HF_FILES", "TIED", "TOKENIZER_FILES", "LoadedWeights", "ModelPlan", "WeightHeaders",
-           "WeightsMatch", "export_config", "hf_config_record", "load_pretrained", "load_tokenizer", "match_weights",
-           "model_config", "model_tensor_parallel_plan", "read_headers", "read_model_directory", "run_hf_config",
-           "run_hf_files", "saved_call_settings", "tokenizer_files", "unsharded_architectures"]
+__all__ = ["HF_CONFIG", "HF_FILES", "TIED", "TOKENIZER_FILES", "ExportedTensors", "LoadedWeights", "ModelPlan",
+           "WeightHeaders", "WeightsMatch", "check_hf_output", "export_config", "hf_config_record", "load_pretrained",
+           "load_tokenizer", "match_weights", "model_config", "model_tensor_parallel_plan", "parse_size",
+           "read_headers", "read_model_directory", "require_safetensors", "run_hf_config", "run_hf_files",
+           "saved_call_settings", "storable_tensors", "tied_once", "tokenizer_files", "unsharded_architectures",
+           "write_hf_directory", "write_safetensors"]
