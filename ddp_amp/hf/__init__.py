@@ -1,9 +1,10 @@
 """The Hugging Face boundary: what reads or writes transformers' conventions, in one package.
 
-- `config`: a model directory's config, read offline (`model_config`); what a run records of
-  its transformers model for `export --hf` (`hf_config_record`: the config, the class
-  `from_pretrained` rebuilds, the tied names, in the run directory's `hf_config.json`), and the
-  config an export writes (`export_config`);
+- `config`: a model directory's config, read offline (`model_config`), and the causal LM it
+  describes (`build_causal_lm`); what a run records of its transformers model for
+  `export --hf` (`hf_config_record`: the config, the class `from_pretrained` rebuilds, the
+  tied names, in the run directory's `hf_config.json`), and the config an export writes
+  (`export_config`);
 - `tokenizer`: a model directory's tokenizer files (hashed into the data cache's key, kept
   in the run directory's `hf_files/` for `export --hf`) and its fast tokenizer, read offline;
 - `weights_in`: pretrained weights (a `.safetensors` file, or a Hugging Face model directory:
@@ -21,8 +22,8 @@ Imports `errors`, `durable` and `torch_api` from ddp_amp, nothing else; transfor
 safetensors only where they are used.
 """
 
-from ddp_amp.hf.config import (HF_CONFIG, TIED, export_config, hf_config_record, model_config,
-                               read_model_directory, run_hf_config, unsharded_architectures)
+from ddp_amp.hf.config import (HF_CONFIG, TIED, build_causal_lm, export_config, hf_config_record, model_config,
+                               read_model_directory, require_transformers, run_hf_config, unsharded_architectures)
 from ddp_amp.hf.tokenizer import (HF_FILES, TOKENIZER_FILES, load_tokenizer, run_hf_files, saved_call_settings,
                                   tokenizer_files)
 from ddp_amp.hf.tp_plan import ModelPlan, model_tensor_parallel_plan
@@ -32,8 +33,8 @@ from ddp_amp.hf.weights_out import (ExportedTensors, check_hf_output, parse_size
                                     storable_tensors, tied_once, write_hf_directory, write_safetensors)
 
 __all__ = ["HF_CONFIG", "HF_FILES", "TIED", "TOKENIZER_FILES", "ExportedTensors", "LoadedWeights", "ModelPlan",
-           "WeightHeaders", "WeightsMatch", "check_hf_output", "export_config", "hf_config_record", "load_pretrained",
-           "load_tokenizer", "match_weights", "model_config", "model_tensor_parallel_plan", "parse_size",
-           "read_headers", "read_model_directory", "require_safetensors", "run_hf_config", "run_hf_files",
-           "saved_call_settings", "storable_tensors", "tied_once", "tokenizer_files", "unsharded_architectures",
-           "write_hf_directory", "write_safetensors"]
+           "WeightHeaders", "WeightsMatch", "build_causal_lm", "check_hf_output", "export_config", "hf_config_record",
+           "load_pretrained", "load_tokenizer", "match_weights", "model_config", "model_tensor_parallel_plan",
+           "parse_size", "read_headers", "read_model_directory", "require_safetensors", "require_transformers",
+           "run_hf_config", "run_hf_files", "saved_call_settings", "storable_tensors", "tied_once", "tokenizer_files",
+           "unsharded_architectures", "write_hf_directory", "write_safetensors"]

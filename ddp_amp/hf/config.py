@@ -3,7 +3,8 @@ by a run, written out by `export --hf`.
 
 A model directory (`save_pretrained`'s) holds `config.json`; its `model_type` picks the
 class, and `architectures` names it. `model_config` reads it offline for the `causal_lm`
-task, checked against the window length.
+task, checked against the window length, and `build_causal_lm` builds that architecture,
+freshly initialised (on the meta device too, where the caller builds there).
 
 A run whose model carries a transformers config (`model.config`) records it in its run
 directory, in `HF_CONFIG` (`hf_config_record`, written when the run starts), with the class
@@ -42,6 +43,14 @@ def read_model_directory(directory: str, expected: str, load: Callable[[], Any])
                          f"{type(error).__name__}: {str(error).splitlines()[0][:160]}") from None
 
 
+def require_transformers(option: str, value: str) -> None:
+    """A one-line UsageError, naming the option that needs it, where transformers is not installed."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise UsageError(option, value, "the transformers package installed", "pip install 'ddp_amp[text]'") from None
+
+
 def model_config(directory: str, seq: int) -> PretrainedConfig:
     """The model directory's config, checked against the window length; read offline."""
     from transformers import AutoConfig
@@ -57,6 +66,12 @@ def model_config(directory: str, seq: int) -> PretrainedConfig:
                          f"e.g. --task-opt max_length={longest}")
     config.use_cache = False  # no generation here: a key/value cache would only cost memory
     return config
+
+
+def build_causal_lm(config: PretrainedConfig) -> nn.Module:
+    """A causal LM of `config`'s architecture, freshly initialised, attending with torch's SDPA."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
 def hf_config_record(model: nn.Module) -> dict[str, Any] | None:

@@ -47,7 +47,7 @@ from ddp_amp.data.text_data import WindowOptions, text_datasets
 from ddp_amp.data.windows import IGNORE
 from ddp_amp.distributed import on_every_rank
 from ddp_amp.errors import UsageError
-from ddp_amp.hf import load_tokenizer, model_config, tokenizer_files
+from ddp_amp.hf import build_causal_lm, load_tokenizer, model_config, require_transformers, tokenizer_files
 from ddp_amp.tasks import parse_task_options
 from ddp_amp.torch_api import DOCUMENT_MASKS
 
@@ -155,11 +155,7 @@ def make_task(config: TrainConfig) -> Task:
     from ddp_amp.tasks import Task
 
     opts = read_options(config)
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        raise UsageError("--task", "causal_lm", "the transformers package installed",
-                         "pip install 'ddp_amp[text]'") from None
+    require_transformers("--task", "causal_lm")
     directory, seq = opts["model"], opts["max_length"]
     # On every rank, agreed before the data's collectives: a rank that cannot read the model
     # directory fails together with the others instead of leaving them in a collective.
@@ -172,8 +168,7 @@ def make_task(config: TrainConfig) -> Task:
                          cache_root(config), config.seed, architecture.vocab_size, directory)
 
     def build_model() -> nn.Module:
-        from transformers import AutoModelForCausalLM
-        return AutoModelForCausalLM.from_config(architecture, attn_implementation="sdpa")
+        return build_causal_lm(architecture)
 
     return Task(
         build_model=build_model,
