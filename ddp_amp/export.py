@@ -22,7 +22,7 @@ only with `--force`. Needs safetensors: `pip install 'ddp_amp[export]'`.
 With `--hf` the output is a directory `transformers`' `from_pretrained` loads: the run's
 transformers config (recorded at its start in `hf_config.json`, or `--hf-config`) as
 `config.json`, and the weights as safetensors files of at most `--max-shard-size` with their
-index, a tied weight once (ddp_amp/checkpoint/hf_directory.py).
+index, a tied weight once (ddp_amp/hf/weights_out.py).
 Exit codes: 0 done, 2 bad input, a refused checkpoint or safetensors missing (one line on stderr).
 """
 
@@ -32,24 +32,20 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-import torch
-
-from ddp_amp.checkpoint import (HF_CONFIG, TIED, IncompleteCheckpoint, Meta, check_hf_output, checkpoint_root,
-                                complete_copy, list_step_dirs, module_file, parse_size, read_best, read_checkpoint,
-                                read_meta, resolve_resume, run_hf_config, run_hf_files, sharded_tensors,
-                                verify_checkpoint, write_hf_directory)
-from ddp_amp.durable import write_atomic
+from ddp_amp.checkpoint import (IncompleteCheckpoint, Meta, checkpoint_root, complete_copy, list_step_dirs,
+                                module_file, read_best, read_checkpoint, read_meta, resolve_resume, sharded_tensors,
+                                verify_checkpoint)
 from ddp_amp.errors import UsageError
 from ddp_amp.fast_exit import exit_process
+from ddp_amp.hf import (ExportedTensors, check_hf_output, export_config, parse_size, require_safetensors,
+                        run_hf_config, run_hf_files, storable_tensors, tied_once, unsharded_architectures,
+                        write_hf_directory, write_safetensors)
 from ddp_amp.version import __version__
 
 SOURCE = "RUN_DIR_OR_CHECKPOINT"
-INSTALL_HINT = "pip install 'ddp_amp[export]'"
 RUN_CONFIG = "config.json"  # every run directory gets one at its start
 
 
@@ -124,48 +120,6 @@ def locate_checkpoint(source: Path, best: bool, warn: Callable[[str], None]) -> 
 # -- what goes into the file -----------------------------------------------------------
 
 
-@dataclass
-class ExportedTensors:
-    """The state dict made storable by safetensors, and what had to change on the way."""
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    shared: dict[str, str] = field(default_factory=dict)  # name -> earlier name with the same storage
-    skipped: list[str] = field(default_factory=list)  # non-tensor entries (e.g. `_extra_state`)
-
-
-def _storage_key(tensor: torch.Tensor) -> int | None:
-    """Identifies the memory behind `tensor`; None for empty storage (nothing to share)."""
-    storage = tensor.untyped_storage()
-    return storage.data_ptr() if storage.nbytes() and storage.data_ptr() else None
-
-
-def storable_tensors(state: Mapping[str, Any]) -> ExportedTensors:
-    """Tensors safetensors accepts: contiguous, no two sharing storage (the names are the
-    unwrapped module's already: the session saves modules unwrapped).
-
-    A tensor whose storage an earlier name already uses (tied weights) is written as its
-    own copy: safetensors refuses aliases, and `load_state_dict(strict=True)` needs every
-    name. Loading copies the same values into both names, which in a model that ties them
-    are one Parameter, so the tie holds. Non-tensor entries are left out: safetensors
-    stores tensors only.
-    """
-    result = ExportedTensors()
-    owners: dict[int, str] = {}
-    for name, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            result.skipped.append(name)
-            continue
-        tensor = value.detach()
-        key = _storage_key(tensor)
-        if key is not None and key in owners:
-            result.shared[name] = owners[key]
-            tensor = tensor.clone(memory_format=torch.contiguous_format)
-        elif key is not None:
-            owners[key] = name
-        result.tensors[name] = tensor.contiguous()
-    return result
-
-
 def export_metadata(meta: Meta, step: int, exported: ExportedTensors) -> dict[str, str]:
     """safetensors metadata (string -> string): where the weights came from."""
     config: Mapping[str, Any] = meta.config or {}
@@ -229,17 +183,7 @@ def _step_of(path: Path, meta: Meta) -> int:
                          f"it holds {step!r}; was it written by ddp_amp?") from None
 
 
-# -- writing ---------------------------------------------------------------------------
-
-
-def require_safetensors() -> ModuleType:
-    """`safetensors.torch`, or a one-line UsageError saying how to install it."""
-    try:
-        import safetensors.torch
-    except ImportError:
-        raise UsageError("package", "safetensors", "installed, to write .safetensors files",
-                         INSTALL_HINT) from None
-    return safetensors.torch
+# -- the output ------------------------------------------------------------------------
 
 
 def check_output(path: Path, force: bool) -> None:
@@ -250,23 +194,6 @@ def check_output(path: Path, force: bool) -> None:
     if path.exists() and not force:
         raise UsageError("--to", str(path), "a path with no file yet",
                          "pass --force to replace it, or choose another --to")
-
-
-def write_safetensors(path: Path, exported: ExportedTensors, metadata: dict[str, str],
-                      backend: ModuleType) -> int:
-    """Serialize, then replace `path` atomically (temporary file, fsync, rename); returns bytes written."""
-    try:
-        data = backend.save(exported.tensors, metadata=metadata)
-    except (ValueError, TypeError, RuntimeError) as error:  # e.g. a dtype it has no code for
-        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-        raise UsageError("--to", str(path), "tensors safetensors can store", f"{reason}; nothing was "
-                         "written") from None
-    try:
-        write_atomic(path, data)
-    except OSError as error:
-        raise UsageError("--to", str(path), "a writable location", f"{error.strerror or error}; "
-                         "nothing was written") from None
-    return len(data)
 
 
 # -- the command -----------------------------------------------------------------------
@@ -299,45 +226,15 @@ def export_hf(source: Path, output: Path, *, best: bool = False, force: bool = F
     check_hf_output(output, force)  # before reading gigabytes only to be refused
     checkpoint = locate_checkpoint(source, best, lambda message: _note(f"warning: {message}"))
     recorded = run_hf_config(checkpoint) or {}
-    config = _hf_config(checkpoint, hf_config, recorded)
+    config = export_config(checkpoint, hf_config, recorded)
     state, meta, step = read_model_state(checkpoint, module)
     if chosen_module(checkpoint, meta, module) in meta.sharded and hf_config is None:
-        # Runs before the record named the model's own class recorded FSDP's subclass of it.
-        config["architectures"] = [name.removeprefix("FSDP") for name in config.get("architectures", [])]
-    exported = storable_tensors(state)
-    # A tied weight once, under its first name, as save_pretrained writes it (the config ties it):
-    # sharing storage where the checkpoint kept the tie, named in the run's record where a
-    # sharded checkpoint holds it under each name.
-    tied = recorded.get(TIED, {})
-    tensors = {name: tensor for name, tensor in exported.tensors.items()
-               if name not in exported.shared and not _same_as(tied.get(name), tensor, exported.tensors)}
+        config["architectures"] = unsharded_architectures(config)
+    tensors = tied_once(storable_tensors(state), recorded)
     files = write_hf_directory(output, tensors, config, max_bytes, backend, force, run_hf_files(checkpoint))
     print(f"ddp_amp: exported step {step} of {checkpoint} ({len(tensors)} tensors in {len(files)} "
           f"file{'s' if len(files) > 1 else ''}) as a Hugging Face model directory {output}", flush=True)
     return checkpoint
-
-
-def _same_as(name: str | None, tensor: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> bool:
-    """Whether `tensor` is a copy of `tensors[name]` (a tied weight's other name)."""
-    return name is not None and name in tensors and torch.equal(tensors[name], tensor)
-
-
-def _hf_config(checkpoint: Path, given: Path | None, recorded: dict[str, Any]) -> dict[str, Any]:
-    """The transformers config to write: `--hf-config`'s (a config.json or a directory with one),
-    else the one the run recorded."""
-    if given is not None:
-        path = given / "config.json" if given.is_dir() else given
-        try:
-            loaded = json.loads(path.read_text())
-        except (OSError, ValueError) as error:
-            raise UsageError("--hf-config", str(given), "a transformers config.json, or a directory with one",
-                             f"{type(error).__name__}: {error}"[:200]) from None
-        if isinstance(loaded, dict):
-            return loaded
-    if not recorded:
-        raise UsageError("--hf", str(checkpoint), f"a run whose model is a transformers model (its {HF_CONFIG})",
-                         "this run recorded no transformers config; name one with --hf-config DIR_OR_CONFIG_JSON")
-    return dict(recorded)
 
 
 def export(source: Path, output: Path, *, best: bool = False, force: bool = False,

@@ -30,14 +30,14 @@ _STARTUP = EarlySignals((signal.SIGUSR1, signal.SIGTERM)) if __name__ == "__main
 
 from torch import nn
 
-from ddp_amp.checkpoint import (HF_CONFIG, HF_FILES, checkpoint_root, ensure_writable, hf_config_record,
-                                WeightHeaders, list_step_dirs, match_weights, read_headers)
+from ddp_amp.checkpoint import checkpoint_root, ensure_writable, list_step_dirs
 from ddp_amp.command_line import config_toml, parse_command_line
 from ddp_amp.config import TrainConfig
 from ddp_amp.distributed import agreed_origin, on_every_rank, publish_failure
 from ddp_amp.env import detect_env
 from ddp_amp.errors import CheckpointError, StoreUnreached, TrainingHalted, UsageError
 from ddp_amp.guards import exit_code_for
+from ddp_amp.hf import HF_CONFIG, HF_FILES, WeightHeaders, hf_config_record, match_weights, read_headers
 from ddp_amp.metrics import RunLog, make_run_log
 from ddp_amp.parallel import meta_model
 from ddp_amp.session import Session

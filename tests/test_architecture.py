@@ -69,6 +69,27 @@ def test_the_trainer_names_no_package_below_the_session() -> None:
     assert found == []
 
 
+# The Hugging Face boundary: the packages that read and write its conventions are imported
+# in ddp_amp/hf/ only. The benchmarks are left out: they build their subjects (a tokenizer, a
+# Llama) as a user's script would.
+HF_PACKAGES = re.compile(r"^\s*(from|import) (transformers|safetensors|tokenizers|huggingface_hub)\b", re.MULTILINE)
+
+
+def _hf_imports_outside_hf(root: Path) -> list[str]:
+    """Read as text, so that an import only type checkers see counts too."""
+    return [f"{path.relative_to(root)}: {match.group(0).strip()}"
+            for path in sorted((root / "ddp_amp").rglob("*.py"))
+            if path.relative_to(root).parts[1] not in ("hf", "bench")
+            for match in HF_PACKAGES.finditer(path.read_text())]
+
+
+def test_only_the_hf_package_imports_hugging_face_packages(tmp_path: Path) -> None:
+    assert _hf_imports_outside_hf(REPO_ROOT) == []
+    (tmp_path / "ddp_amp" / "data").mkdir(parents=True)
+    (tmp_path / "ddp_amp" / "data" / "reader.py").write_text("def f():\n    from transformers import AutoConfig\n")
+    assert _hf_imports_outside_hf(tmp_path) == ["ddp_amp/data/reader.py: from transformers"]
+
+
 def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
     """Strongly connected groups of more than one module (Tarjan, iterative)."""
     order: dict[str, int] = {}

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from ddp_amp.checkpoint import commit_checkpoint, read_best, safe_load, step_dir_name
 from ddp_amp.export import main as export_main
-from ddp_amp.export import storable_tensors
+from ddp_amp.hf import storable_tensors
 from ddp_amp.tasks.mlp import make_model
 from ddp_amp.train import main as train_main
 from ddp_amp.version import __version__

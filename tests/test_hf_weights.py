@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ddp_amp import UsageError
-from ddp_amp.checkpoint import load_pretrained, read_headers
+from ddp_amp.hf import load_pretrained, read_headers
 from ddp_amp.export import main as export_main
 from tests.multiproc import run_train
 from tests.torch_features import needs_sharding

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ddp_amp.checkpoint.safetensors_file import NotSafetensors, read_header, read_slice
+from ddp_amp.hf.safetensors_file import NotSafetensors, read_header, read_slice
 
 TENSORS = {
     "f32": torch.randn(6, 5, 4), "bf16": torch.randn(7, 3).bfloat16(), "f16": torch.randn(4).half(),

@@ -27,10 +27,6 @@
 - `save` / `load`: the collective save and read-and-agree underneath the Checkpointer;
 - `background` / `staging`: the same save with the writes in a thread on every rank, from a
   host copy of the state (`--async-checkpoint`);
-- `hf_directory`: a Hugging Face model directory (config, sharded safetensors, index) from a
-  state dict (`export --hf`);
-- `pretrained`: pretrained weights (safetensors, a Hugging Face model directory) into a
-  model by name, each rank reading only the slices it holds (`--init-weights`);
 - `sharded` / `sharded_reader`: a checkpoint whose sharded state each rank writes its part
   of (FSDP2, with torch.distributed.checkpoint), committed by rank 0 once every part is
   whole, and read back resharded without running pickled code.
@@ -49,20 +45,14 @@ from ddp_amp.checkpoint.load import read_checkpoint
 from ddp_amp.checkpoint.manifest import IncompleteCheckpoint
 from ddp_amp.checkpoint.verify import verify_checkpoint
 from ddp_amp.checkpoint.meta import Meta, read_meta
-from ddp_amp.checkpoint.hf_directory import (HF_CONFIG, HF_FILES, TIED, check_hf_output, hf_config_record,
-                                             parse_size, run_hf_config, run_hf_files, write_hf_directory)
-from ddp_amp.checkpoint.pretrained import (LoadedWeights, WeightHeaders, WeightsMatch, load_pretrained,
-                                          match_weights, read_headers)
 from ddp_amp.checkpoint.retention import apply_retention
 from ddp_amp.checkpoint.safe_types import safe_load
 from ddp_amp.checkpoint.save import ensure_writable
 from ddp_amp.checkpoint.sharded import sharded_tensors
 
 __all__ = [
-    "HF_CONFIG", "HF_FILES", "TIED", "BestRecord", "Checkpointer", "IncompleteCheckpoint", "LoadedWeights", "Meta",
-    "Saved", "SavedState", "WeightHeaders", "WeightsMatch", "apply_retention", "check_hf_output", "checkpoint_root",
-    "commit_checkpoint", "commit_directory", "complete_copy", "ensure_writable", "hf_config_record", "list_step_dirs",
-    "load_pretrained", "match_weights", "module_file", "newest_complete", "parse_size", "read_best",
-    "read_checkpoint", "read_headers", "read_meta", "resolve_resume", "run_hf_config", "run_hf_files", "safe_load",
-    "sharded_tensors", "step_dir_name", "verify_checkpoint", "write_best", "write_hf_directory",
+    "BestRecord", "Checkpointer", "IncompleteCheckpoint", "Meta", "Saved", "SavedState", "apply_retention",
+    "checkpoint_root", "commit_checkpoint", "commit_directory", "complete_copy", "ensure_writable", "list_step_dirs",
+    "module_file", "newest_complete", "read_best", "read_checkpoint", "read_meta", "resolve_resume", "safe_load",
+    "sharded_tensors", "step_dir_name", "verify_checkpoint", "write_best",
 ]

@@ -52,15 +52,9 @@ from ddp_amp.data.token_store import FORMAT, TokenSplit, complete, token_dtype
 from ddp_amp.data.unit_writer import join_units, tokenize_unit, unit_done
 from ddp_amp.distributed import all_gather_objects, has_peers, on_every_rank, on_rank_zero
 from ddp_amp.errors import UsageError
+from ddp_amp.hf import saved_call_settings, tokenizer_files
 
-# What a tokenizer is made of, in a model directory: hashed into the key, copied on export.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
 NO_FLOCK = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK})  # a file system without flock
-
-
-def tokenizer_files(folder: Path) -> list[Path]:
-    return [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
 
 
 def _digest(paths: list[Path]) -> str:
@@ -70,21 +64,12 @@ def _digest(paths: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def _saved_settings(tokenizer_dir: Path) -> list[str]:
-    """The per-call settings (truncation, padding) saved in the tokenizer's tokenizer.json."""
-    try:
-        saved = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    except (OSError, ValueError):
-        return []
-    return [name for name in ("truncation", "padding") if isinstance(saved, dict) and saved.get(name)]
-
-
 def cache_key(source: Source, tokenizer_dir: Path, fmt: TextFormat, test_size: float,
               vocabulary: int) -> tuple[str, dict[str, Any]]:
     """(the entry's name, what made it)."""
     made_from = {"format": FORMAT, "files": source.identity(), "tokenizer": _digest(tokenizer_files(tokenizer_dir)),
                  "rows": fmt.key(), "test_size": test_size, "dtype": token_dtype(vocabulary).name}
-    switched_off = _saved_settings(tokenizer_dir)
+    switched_off = saved_call_settings(tokenizer_dir)
     if switched_off:  # entries made before the encoder switched them off were cut or padded: not these
         made_from["switched_off"] = switched_off
     name = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:24]

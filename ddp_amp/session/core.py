@@ -41,8 +41,9 @@ from ddp_amp.distributed import (BackendChoice, DeviceChoice, DistContext, Liven
 from ddp_amp.env import detect_env
 from ddp_amp.errors import UsageError
 from ddp_amp.guards import check_rank_sync
+from ddp_amp.hf import LoadedWeights, load_pretrained
 from ddp_amp.metrics.trackers import Trackers, start_trackers_on_rank_zero
-from ddp_amp.checkpoint import Checkpointer, LoadedWeights, load_pretrained
+from ddp_amp.checkpoint import Checkpointer
 from ddp_amp.parallel import ShardOptions, Units, fused_kernel_takes
 from ddp_amp.torch_api import loss_parallel
 from ddp_amp.session.choices import KEYWORDS, layout_shard, resolve_choices

@@ -44,16 +44,14 @@ from ddp_amp.data.encoding import TextFormat
 from ddp_amp.data.packing import TRUNCATION_MODES
 from ddp_amp.data.readers import SAMPLE_BY
 from ddp_amp.data.text_data import WindowOptions, text_datasets
-from ddp_amp.data.token_cache import tokenizer_files
 from ddp_amp.data.windows import IGNORE
 from ddp_amp.distributed import on_every_rank
 from ddp_amp.errors import UsageError
+from ddp_amp.hf import build_causal_lm, load_tokenizer, model_config, require_transformers, tokenizer_files
 from ddp_amp.tasks import parse_task_options
 from ddp_amp.torch_api import DOCUMENT_MASKS
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
-
     from ddp_amp.config import TrainConfig
     from ddp_amp.tasks import Task
 
@@ -113,46 +111,6 @@ def lr_factor(kind: str, warmup: int, total: int) -> Callable[[int], float]:
     return factor
 
 
-def _read(directory: str, expected: str, load: Callable[[], Any]) -> Any:
-    """`load()`, or a one-line UsageError naming the model directory where it cannot read it."""
-    try:
-        return load()
-    except (OSError, ValueError) as error:
-        raise UsageError("--task-opt model", directory, expected,
-                         f"{type(error).__name__}: {str(error).splitlines()[0][:160]}") from None
-
-
-def model_config(directory: str, seq: int) -> PretrainedConfig:
-    """The model directory's config, checked against the window length; read offline."""
-    from transformers import AutoConfig
-
-    if not Path(directory).is_dir():
-        raise UsageError("--task-opt model", directory, "a Hugging Face model directory on this machine",
-                         "save_pretrained() (or download) it first; nothing is fetched from the hub")
-    config = _read(directory, "a model directory with a readable config.json",
-                   lambda: AutoConfig.from_pretrained(directory, local_files_only=True))
-    longest = getattr(config, "max_position_embeddings", None)
-    if longest is not None and seq > longest:
-        raise UsageError("--task-opt max_length", seq, f"at most the model's max_position_embeddings ({longest})",
-                         f"e.g. --task-opt max_length={longest}")
-    config.use_cache = False  # no generation here: a key/value cache would only cost memory
-    return config
-
-
-def load_tokenizer(directory: str) -> Any:
-    """The directory's own fast tokenizer, offline."""
-    if not tokenizer_files(Path(directory)):
-        raise UsageError("--task-opt model", directory, "a model directory with its tokenizer (tokenizer.json)",
-                         "save the tokenizer beside the model: tokenizer.save_pretrained(DIR)")
-    from transformers import AutoTokenizer
-    tokenizer = _read(directory, "a tokenizer transformers reads",
-                      lambda: AutoTokenizer.from_pretrained(directory, local_files_only=True))
-    if not hasattr(tokenizer, "backend_tokenizer"):
-        raise UsageError("--task-opt model", directory, "a fast tokenizer (tokenizer.json)",
-                         "convert it once: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)")
-    return tokenizer
-
-
 def _logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     # Positions that restart inside a window make transformers mask attention per document.
     return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
@@ -197,11 +155,7 @@ def make_task(config: TrainConfig) -> Task:
     from ddp_amp.tasks import Task
 
     opts = read_options(config)
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        raise UsageError("--task", "causal_lm", "the transformers package installed",
-                         "pip install 'ddp_amp[text]'") from None
+    require_transformers("--task", "causal_lm")
     directory, seq = opts["model"], opts["max_length"]
     # On every rank, agreed before the data's collectives: a rank that cannot read the model
     # directory fails together with the others instead of leaving them in a collective.
@@ -214,8 +168,7 @@ def make_task(config: TrainConfig) -> Task:
                          cache_root(config), config.seed, architecture.vocab_size, directory)
 
     def build_model() -> nn.Module:
-        from transformers import AutoModelForCausalLM
-        return AutoModelForCausalLM.from_config(architecture, attn_implementation="sdpa")
+        return build_causal_lm(architecture)
 
     return Task(
         build_model=build_model,

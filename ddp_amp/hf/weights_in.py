@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddp_amp.checkpoint.safetensors_file import NotSafetensors, StoredTensor, read_header, read_slice
+from ddp_amp.hf.safetensors_file import NotSafetensors, StoredTensor, read_header, read_slice
 from ddp_amp.errors import UsageError
 from ddp_amp.torch_api import DTensor, compute_local_shape_and_global_offset
 
