@@ -45,15 +45,22 @@ class SkipPlan:
         return self.skipped[index]
 
 
-def meta_model(factory: Callable[[], nn.Module],
-               registered: list[nn.Parameter] | None = None) -> nn.Module | None:
+def meta_model(factory: Callable[[], nn.Module], registered: list[nn.Parameter] | None = None,
+               owners: list[nn.Module] | None = None) -> nn.Module | None:
     """`factory()` built on the meta device (names and shapes, no values, the random stream
-    untouched), appending each parameter registered to `registered`; None where the factory
-    cannot build there (init code that needs values)."""
+    untouched), appending each parameter registered to `registered` (and the module it was
+    registered on to `owners`); None where the factory cannot build there (init code that
+    needs values)."""
     handle = None
+
+    def record(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and registered is not None:
+            registered.append(param)
+            if owners is not None:
+                owners.append(module)
+
     if registered is not None:
-        handle = nn.modules.module.register_module_parameter_registration_hook(
-            lambda module, name, param: registered.append(param) if param is not None else None)
+        handle = nn.modules.module.register_module_parameter_registration_hook(record)
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             model = factory()

@@ -105,11 +105,15 @@ class SessionModels:
                      ) -> tuple[list[ShardSlot], dict[str, ShardSlot]] | None:
         """Where each parameter of a split model lies on this rank, by registration and by name:
         the plan, checked on the model built on the meta device (before any real build), says
-        along which dimension each is split before FSDP2 shards its rows. A registration no
-        name keeps (a layer `nn.TransformerEncoder` copies) is held whole until the build ends.
-        None where the factory cannot build on the meta device."""
+        along which dimension each is split before FSDP2 shards its rows. A registration on a
+        module the model does not keep (a layer `nn.TransformerEncoder` copies) is held whole
+        until the build ends, its copies cut then; one on a module the model keeps but whose
+        parameter it replaced (a head's own weight, before it is tied to the embedding) is
+        cut as small as a split parameter's (its values end up nowhere). None where the
+        factory cannot build on the meta device."""
         registered: list[nn.Parameter] = []
-        meta = meta_model(factory, registered)
+        owners: list[nn.Module] = []
+        meta = meta_model(factory, registered, owners)
         if meta is None or self.ctx.mesh is None:
             return None
         plan = self.tensor_parallel_plan(meta, given)
@@ -117,7 +121,10 @@ class SessionModels:
         base, mesh = shard_slot(self.ctx.mesh), self.ctx.mesh
         named = {name: split_slot(base, mesh, dim) for name, dim in dims.items()}
         by_identity = {id(param): named[name] for name, param in meta.named_parameters(remove_duplicate=False)}
-        return [by_identity.get(id(param), ShardSlot()) for param in registered], named
+        kept = {id(module) for module in meta.modules()}
+        replaced = split_slot(base, mesh, 0)
+        return [by_identity.get(id(param), replaced if id(owner) in kept else ShardSlot())
+                for param, owner in zip(registered, owners)], named
 
     def tensor_parallel_plan(self, model: nn.Module, given: Mapping[str, str] | None) -> TensorParallelPlan | None:
         """How `model` is split where the session splits models: `given` (module name patterns ->
