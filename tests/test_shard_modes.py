@@ -117,10 +117,12 @@ def _refusal(ctx: DistContext) -> str:
 
 
 def _chain(root: Path, compiler: bool, tensor_parallel: int = 1) -> tuple[list[int], list[tuple[Any, ...]]]:
-    """The cells this machine runs (compiled ones only with a compiler), each resuming the one
-    before, and the first once more resuming the last, so that every cell's checkpoint is
-    resumed by another; with each one's call for in_turn."""
-    cells = [index for index, cell in enumerate(CELLS) if compiler or not cell[0]]
+    """The cells this machine runs (compiled ones only with a compiler; split, the first of
+    them only: compiling is most of the chain's time), each resuming the one before, and the
+    first once more resuming the last, so that every cell's checkpoint is resumed by another;
+    with each one's call for in_turn."""
+    compiled = [index for index, cell in enumerate(CELLS) if cell[0]][:1 if tensor_parallel > 1 else None]
+    cells = [index for index, cell in enumerate(CELLS) if (compiler and index in compiled) or not cell[0]]
     run = [*cells, cells[0]]
     calls = [(_cell, root, index, root / f"run-{position - 1}" / f"step-{STEPS * position:08d}" if position else None,
               f"run-{position}", tensor_parallel) for position, index in enumerate(run)]
@@ -153,8 +155,9 @@ def test_every_cell_trains_two_steps_from_the_checkpoint_of_another_and_the_refu
 
 @needs(TENSOR_PARALLEL)
 def test_every_cell_trains_split_over_two_ranks_and_resumes_another(tmp_path: Path) -> None:
-    """The same cells with the model split over both ranks (TP 2): each trains from another's
-    checkpoint; the replicate mode picks --shard (1) or none (2) for the one data-parallel rank."""
+    """The same cells with the model split over both ranks (TP 2), one of them compiled: each trains
+    from another's checkpoint; the replicate mode picks --shard (1) or none (2) for the one
+    data-parallel rank."""
     run, calls = _chain(tmp_path, _inductor_compiler() is not None, tensor_parallel=2)
     for rank, cells in enumerate(run_ranks(in_turn, 2, *calls, timeout=900)):
         for position, (index, result) in enumerate(zip(run, cells, strict=True)):
