@@ -6,9 +6,10 @@ sequence and loss parallel) or sharded (`ShardOptions()`, FSDP2), built as a run
 (`Session.build_model`: each rank builds only its part). Per rank, the largest over ranks:
 
 - parameters: the bytes of its parts of the parameters (DTensor local shards);
-- activations: the bytes one forward keeps alive for backward, counted by a dispatch mode
-  over every op's output (activation_memory.py's count), for the same micro-batch on every
-  layout, the logits and the loss included (split over the vocabulary under loss parallel).
+- activations: the bytes of the tensors autograd saves for backward in one forward and loss
+  (each storage once, seen by `saved_tensors_hooks`), weights left out (a parameter, or the
+  whole one FSDP2 gathered: a leaf that requires grad), for the same micro-batch on every
+  layout (split over the vocabulary under loss parallel, the loss's own included).
 
 Sharding divides the parameters and leaves each rank a whole micro-batch's activations; a
 split divides both, except the inputs each split block gathers for its matmuls (the whole
@@ -21,13 +22,13 @@ The default shape is Llama 3.2 1B's (1.24B parameters); the tests' run uses a sm
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from ddp_amp.bench.activation_memory import LiveOutputs
 from ddp_amp.bench.table import grid
 from ddp_amp.bench.targets import target_fields
 from ddp_amp.distributed import DistContext
@@ -35,6 +36,7 @@ from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.parallel import ShardOptions
 from ddp_amp.session import Session
 from ddp_amp.torch_api import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 DEGREES = (2, 4)
 TARGET_PARAMETERS = 1.15  # times 1/N
@@ -65,6 +67,32 @@ class LlamaShape:
         return cls(width, 4 * width, layers, heads, max(4, heads // 4), vocab, 1, tokens)
 
 
+class SavedForBackward:
+    """The storages of what autograd saves for backward while its hooks are active, weights
+    left out (leaves that require grad: parameters, and the whole ones FSDP2 gathers)."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not (tensor.is_leaf and tensor.requires_grad):
+            with torch.no_grad():
+                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            # meta, or a storage FSDP2 freed (its python handle gone): nothing held
+            with contextlib.suppress(RuntimeError):
+                if not local.is_meta:
+                    storage = local.untyped_storage()
+                    self.storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def alive_bytes(self) -> int:
+        return sum(nbytes for ref, nbytes in self.storages.values() if not ref.expired())
+
+
 def _llama(shape: LlamaShape) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -86,14 +114,14 @@ def _held(ctx: DistContext, shape: LlamaShape, split: int) -> dict[str, int]:
         parameters = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
                          for p in model.parameters())
         ids = torch.randint(0, shape.vocab, (shape.batch, shape.tokens + 1), generator=torch.Generator().manual_seed(1))
-        counter = LiveOutputs()
-        with counter, session.loss_parallel():
+        saved = SavedForBackward()
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), session.loss_parallel():
             logits = model(input_ids=ids[:, :-1]).logits
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
-        kept = counter.alive_bytes()
-        with session.loss_parallel():
-            (loss.full_tensor() if isinstance(loss, DTensor) else loss).backward()  # it trains; frees what was kept
-        del model, loss, logits, counter
+        kept = saved.alive_bytes()
+        # No backward: its gradients, and a sharded root's whole embedding gathered meanwhile,
+        # would put 4 ranks of the 1B shape past a 24 GiB host; the tests train every layout.
+        del model, loss, logits, saved
     return {"parameters": parameters, "activations": kept}
 
 
