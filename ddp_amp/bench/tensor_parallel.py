@@ -7,9 +7,9 @@ sequence and loss parallel) or sharded (`ShardOptions()`, FSDP2), built as a run
 
 - parameters: the bytes of its parts of the parameters (DTensor local shards);
 - activations: the bytes of the tensors autograd saves for backward in one forward and loss
-  (each storage once, seen by `saved_tensors_hooks`), weights left out (a parameter, or the
-  whole one FSDP2 gathered: a leaf that requires grad), for the same micro-batch on every
-  layout (split over the vocabulary under loss parallel, the loss's own included).
+  (each storage once, seen by `saved_tensors_hooks`), the weights' storages left out (a
+  matmul saves a view of its weight, whole where FSDP2 gathered it), for the same
+  micro-batch on every layout (split over the vocabulary under loss parallel).
 
 Sharding divides the parameters and leaves each rank a whole micro-batch's activations; a
 split divides both, except the inputs each split block gathers for its matmuls (the whole
@@ -68,21 +68,27 @@ class LlamaShape:
 
 
 class SavedForBackward:
-    """The storages of what autograd saves for backward while its hooks are active, weights
-    left out (leaves that require grad: parameters, and the whole ones FSDP2 gathers)."""
+    """The storages of what autograd saves for backward while its hooks are active, the
+    weights' storages left out: each module's parameters as its forward starts (after FSDP2
+    gathered them), of which the matmuls save views."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.weights: set[int] = set()
+        self._hooks = [module.register_forward_pre_hook(self._weights_of) for module in model.modules()]
+
+    def _weights_of(self, module: torch.nn.Module, args: Any) -> None:
+        for param in module.parameters(recurse=False):
+            address = _address(param.to_local() if isinstance(param, DTensor) else param)
+            if address is not None:
+                self.weights.add(address)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not (tensor.is_leaf and tensor.requires_grad):
-            with torch.no_grad():
-                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            # meta, or a storage FSDP2 freed (its python handle gone): nothing held
-            with contextlib.suppress(RuntimeError):
-                if not local.is_meta:
-                    storage = local.untyped_storage()
-                    self.storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        with torch.no_grad():
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        address = _address(local)
+        if address is not None and address not in self.weights:
+            self.storages[address] = (StorageWeakRef(local.untyped_storage()), local.untyped_storage().nbytes())
         return tensor
 
     @staticmethod
@@ -90,7 +96,18 @@ class SavedForBackward:
         return tensor
 
     def alive_bytes(self) -> int:
+        for hook in self._hooks:
+            hook.remove()
         return sum(nbytes for ref, nbytes in self.storages.values() if not ref.expired())
+
+
+def _address(tensor: torch.Tensor) -> int | None:
+    """Where `tensor`'s storage lies; None for a meta tensor or a storage FSDP2 freed."""
+    if tensor.is_meta:
+        return None
+    with contextlib.suppress(RuntimeError):  # a freed storage's python handle is gone
+        return int(tensor.untyped_storage().data_ptr())
+    return None
 
 
 def _llama(shape: LlamaShape) -> torch.nn.Module:
@@ -114,7 +131,7 @@ def _held(ctx: DistContext, shape: LlamaShape, split: int) -> dict[str, int]:
         parameters = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
                          for p in model.parameters())
         ids = torch.randint(0, shape.vocab, (shape.batch, shape.tokens + 1), generator=torch.Generator().manual_seed(1))
-        saved = SavedForBackward()
+        saved = SavedForBackward(model)
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), session.loss_parallel():
             logits = model(input_ids=ids[:, :-1]).logits
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
