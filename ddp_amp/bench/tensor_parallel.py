@@ -12,8 +12,7 @@ sequence and loss parallel) or sharded (`ShardOptions()`, FSDP2), built as a run
   micro-batch on every layout (split over the vocabulary under loss parallel).
 
 Sharding divides the parameters and leaves each rank a whole micro-batch's activations; a
-split divides both, except the inputs each split block gathers for its matmuls (the whole
-sequence, kept for their backward: two per layer). Targets (checked on any device, from a
+split divides both. Targets (checked on any device, from a
 width of 1024): the parameters of a split over N ranks at most 1.15/N of one rank's, and its
 activations at most TARGET_ACTIVATIONS[N] of one rank's.
 
@@ -40,8 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 DEGREES = (2, 4)
 TARGET_PARAMETERS = 1.15  # times 1/N
-# Sequence parallel splits all but the gathered inputs of the attention and the MLP: measured
-# 0.54 (2) and 0.29 (4) on the 1B shape, 128 tokens.
+# Measured 0.445 (2) and 0.242 (4) on the 1B shape, 128 tokens (docs/benchmarks.md, 2026-12-06).
 TARGET_ACTIVATIONS = {2: 0.6, 4: 0.35}
 MEASURABLE_WIDTH = 1024  # narrower, what every rank holds whole is most of the figure
 
