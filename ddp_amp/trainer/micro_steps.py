@@ -69,6 +69,8 @@ class MicroSteps:
         step's loss, detached (collective through a DDP or sharded model, and where items are
         counted)."""
         accum = self.grad_accum
+        if accum == 1 and self._count_items is None:  # the common step: one micro-batch, its own mean
+            return self._micro_step(next(stream), None, first=True)
         batches: Iterator[Any] = stream
         weight: torch.Tensor | None = None  # each loss times this, where items are counted; else over accum
         if self._count_items is not None:
