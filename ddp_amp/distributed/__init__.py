@@ -1,6 +1,7 @@
 """Layer 2: the process group, its mesh, and collectives.
 
 - `group`: backend choice, `init_distributed` with a timeout, teardown in the right order;
+- `mesh`: the ranks laid out as replicas, shards, sequence splits (cp) and matmul splits (tp);
 - `device`: this rank's device and moving batches onto it;
 - `collectives`: all-reduce and object collectives, and the agreement primitives
   `on_rank_zero` (rank 0 does it, every rank learns the outcome) and `on_every_rank`;
@@ -19,16 +20,17 @@ from ddp_amp.distributed.collectives import (agreed_origin, all_gather_objects, 
                                       has_peers, mark_agreed, on_every_rank, on_rank_zero)
 from ddp_amp.distributed.device import DeviceChoice, resolve_device, to_device
 from ddp_amp.distributed.failure import announce_failure, publish_failure, published_failure
-from ddp_amp.distributed.group import (BackendChoice, DistContext, check_tensor_parallel, data_mesh, distributed,
-                                init_distributed, resolve_backend, shutdown_distributed)
+from ddp_amp.distributed.group import (BackendChoice, DistContext, distributed, init_distributed, resolve_backend,
+                                      shutdown_distributed)
 from ddp_amp.distributed.liveness import Liveness, Progress
+from ddp_amp.distributed.mesh import check_context_parallel, check_tensor_parallel, data_mesh
 from ddp_amp.distributed.local_shard import is_sharded, local_numel_bytes, local_part
 from ddp_amp.distributed.watch import PeerWatch
 
 __all__ = [
     "BackendChoice", "DeviceChoice", "DistContext", "Liveness", "PeerWatch", "Progress", "agreed_origin",
-    "all_gather_objects", "all_reduce_", "announce_failure", "broadcast_object", "check_tensor_parallel", "data_mesh",
-    "distributed", "has_peers",
-    "init_distributed", "is_sharded", "local_numel_bytes", "local_part", "mark_agreed", "on_every_rank", "on_rank_zero",
+    "all_gather_objects", "all_reduce_", "announce_failure", "broadcast_object", "check_context_parallel",
+    "check_tensor_parallel", "data_mesh", "distributed", "has_peers", "init_distributed", "is_sharded",
+    "local_numel_bytes", "local_part", "mark_agreed", "on_every_rank", "on_rank_zero",
     "publish_failure", "published_failure", "resolve_backend", "resolve_device", "shutdown_distributed", "to_device",
 ]

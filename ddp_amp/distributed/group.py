@@ -8,6 +8,7 @@ code path everywhere.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import re
@@ -19,11 +20,13 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from ddp_amp.distributed.device import DeviceChoice, resolve_device
 from ddp_amp.distributed.held_stderr import HeldStderr
 from ddp_amp.distributed.launcher import check_launcher_store
+from ddp_amp.distributed.mesh import (dp_rank_of, dp_size_of, build_folded_mesh, build_mesh, check_context_parallel,
+                                      check_replicate, check_tensor_parallel, data_mesh)
 from ddp_amp.distributed.liveness import Liveness, Progress, remember_prefix
 from ddp_amp.distributed.open_files import agree_open_files, raise_open_files
 from ddp_amp.distributed.watch import start_heart, stop_watches
@@ -49,9 +52,14 @@ class DistContext:
     # rank's watch thread for its heartbeat (liveness.py); the loop sets plain attributes.
     progress: Progress = field(default_factory=Progress, compare=False, repr=False)
     # The ranks laid out by what they do: one data-parallel dimension ("dp"), or replicas of
-    # a sharded model, ("dp_replicate", "dp_shard") for HSDP; then "tp", innermost, where
-    # matmuls are split (build_mesh). None without a group.
+    # a sharded model, ("dp_replicate", "dp_shard") for HSDP; then "cp", where sequences are
+    # split, and "tp", innermost, where matmuls are split (build_mesh). None without a group.
     mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    # Where sequences are split: the mesh FSDP2 spreads the model over, the data-parallel
+    # dimensions with "cp" folded into the innermost ("dp_cp", or "dp_replicate" x
+    # "dp_shard_cp"): the ranks of a cp group hold one model and reduce its gradients together.
+    # None without a cp dimension (FSDP2 then spreads it over `data_mesh(mesh)`).
+    folded_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     # How often the ranks beat and how long one may be silent: the same on every rank.
     liveness: Liveness = field(default_factory=Liveness, compare=False)
 
@@ -66,14 +74,14 @@ class DistContext:
         the mesh is data parallel."""
         if self.mesh is None:
             return self.env.rank
-        return _dp_rank(self.mesh)
+        return dp_rank_of(self.mesh)
 
     @property
     def dp_size(self) -> int:
         """How many data-parallel ranks read different data."""
         if self.mesh is None:
             return self.env.world_size
-        return _dp_size(self.mesh)
+        return dp_size_of(self.mesh)
 
     @property
     def world_size(self) -> int:
@@ -86,86 +94,26 @@ class DistContext:
         return self.mesh.size(names.index("tp")) if self.mesh is not None and "tp" in names else 1
 
     @property
+    def cp_size(self) -> int:
+        """How many ranks split each sequence (the mesh's `cp` dimension; 1 without one)."""
+        names = (self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
+        return self.mesh.size(names.index("cp")) if self.mesh is not None and "cp" in names else 1
+
+    @property
+    def spread_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards and replicates the model over: the data-parallel dimensions,
+        with the cp dimension folded in where there is one."""
+        if self.folded_mesh is not None:
+            return self.folded_mesh
+        return data_mesh(self.mesh) if self.mesh is not None else None
+
+    @property
     def is_main(self) -> bool:
         return self.env.rank == 0
 
     @property
     def has_group(self) -> bool:
         return self.backend is not None and dist.is_initialized()
-
-
-# The mesh dimensions that are data parallel: each reads its own data.
-DP_DIMS = ("dp_replicate", "dp_shard", "dp")
-
-
-def _dp_dims(mesh: DeviceMesh) -> list[str]:
-    return [name for name in (mesh.mesh_dim_names or ()) if name in DP_DIMS]
-
-
-def _dp_size(mesh: DeviceMesh) -> int:
-    size = 1
-    for name in _dp_dims(mesh):
-        size *= mesh.size(mesh.mesh_dim_names.index(name))  # type: ignore[union-attr]  # names exist: _dp_dims
-    return size
-
-
-def _dp_rank(mesh: DeviceMesh) -> int:
-    rank = 0
-    for name in _dp_dims(mesh):  # row-major over the data-parallel dimensions, outer first
-        rank = rank * mesh.size(mesh.mesh_dim_names.index(name)) + mesh.get_local_rank(name)  # type: ignore[union-attr]  # names exist
-    return rank
-
-
-def build_mesh(device: torch.device, world_size: int, replicate: int = 1, tensor_parallel: int = 1) -> DeviceMesh:
-    """The device mesh over the group just joined (collective), outermost dimension first:
-
-    - one data-parallel dimension `dp` spanning every rank, which reuses the default group
-      (no new one is formed);
-    - for `replicate` > 1, `replicate` rows of ranks, `dp_replicate` x `dp_shard`, so that
-      FSDP2 shards within a row and all-reduces across rows (HSDP);
-    - for `tensor_parallel` T > 1, a `tp` dimension of T innermost (T consecutive ranks, a
-      node's: its all-reduces stay on the fast links) beside the data-parallel ones, which
-      then span world size / T ranks.
-
-    Beyond the first layout it forms a group per row and per column, on every rank together."""
-    data = world_size // tensor_parallel
-    check_replicate(replicate, data, "the data-parallel ranks" if tensor_parallel > 1 else "the world size")
-    shape: tuple[int, ...]
-    names: tuple[str, ...]
-    if replicate == 1:
-        shape, names = (data,), ("dp",)
-    else:
-        shape, names = (replicate, data // replicate), ("dp_replicate", "dp_shard")
-    if tensor_parallel > 1:
-        shape, names = (*shape, tensor_parallel), (*names, "tp")
-    return init_device_mesh(device.type, shape, mesh_dim_names=names)
-
-
-def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel dimensions of `mesh` (what FSDP2 shards and replicates over)."""
-    names = tuple(_dp_dims(mesh))
-    if names == tuple(mesh.mesh_dim_names or ()):
-        return mesh
-    return mesh[names]
-
-
-def check_tensor_parallel(degree: int, env: DistEnv, flag: str = "--tensor-parallel") -> None:
-    """A tensor-parallel degree the ranks can be laid out in: it divides the ranks of a node
-    (its all-reduces, one per matmul pair, stay inside the node) and so the world."""
-    if degree < 1 or env.local_world_size % degree or env.world_size % degree:
-        divisors = [str(d) for d in range(1, env.local_world_size + 1) if env.local_world_size % d == 0]
-        raise UsageError(flag, degree, f"a divisor of the ranks on a node ({env.local_world_size}) and of the "
-                         f"world size ({env.world_size})", f"one of {', '.join(divisors)}: tensor parallelism "
-                         "stays inside a node, where the links are fast")
-
-
-def check_replicate(replicate: int, world_size: int, what: str = "the world size") -> None:
-    """A replicate degree the world (`world_size` ranks: `what`) can be laid out in: rows of equal size."""
-    if replicate < 1 or world_size % replicate:
-        divisors = [str(d) for d in range(1, world_size + 1) if world_size % d == 0]
-        raise UsageError("--replicate", replicate, f"a divisor of {what} {world_size}",
-                         f"one of {', '.join(divisors)}: each replica shards the model over "
-                         "world size / replicate ranks")
 
 
 def resolve_backend(choice: BackendChoice, device: torch.device) -> str:
@@ -229,12 +177,14 @@ def _late(env: DistEnv, timeout: timedelta, error: Exception) -> UsageError:
 def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: BackendChoice = "auto",
                      timeout_s: float = 600.0, group_of_one: bool = False,
                      liveness: Liveness | None = None, replicate: int = 1,
-                     host_collectives: bool = False, tensor_parallel: int = 1) -> DistContext:
+                     host_collectives: bool = False, tensor_parallel: int = 1,
+                     context_parallel: int = 1) -> DistContext:
     """Choose the device and join the process group (collective); each rank's heartbeat
     starts with it, at `liveness`'s poll (the defaults where None). `replicate` > 1 lays
     the ranks out as replicas of a sharded model (`build_mesh`); it must divide the world.
     `tensor_parallel` > 1 adds a `tp` dimension of that size innermost; it must divide the ranks
     of a node, and `replicate` then divides the data-parallel ranks (world size / it).
+    `context_parallel` > 1 adds a `cp` dimension outside `tp`; it must divide world size / tp.
 
     A world of one joins none, unless a backend is named or `group_of_one` asks for one (a
     sharded model needs a group): then it forms a group of one, so that the DDP or FSDP path
@@ -249,8 +199,9 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
     liveness.check()
     # before a group or a file exists
     check_tensor_parallel(tensor_parallel, env)
-    check_replicate(replicate, env.world_size // tensor_parallel,
-                    "the data-parallel ranks" if tensor_parallel > 1 else "the world size")
+    check_context_parallel(context_parallel, tensor_parallel, env)
+    check_replicate(replicate, env.world_size // (tensor_parallel * context_parallel),
+                    "the data-parallel ranks" if tensor_parallel * context_parallel > 1 else "the world size")
     torch_device = resolve_device(device, env, backend)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
@@ -261,9 +212,8 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
         # The group's store and progress as we made them (the heartbeat helper follows that
         # progress); torch's default store wraps ours in a prefix of its own.
         store, progress = _OUR_GROUP if _OUR_GROUP is not None else (_default_store(), Progress())
-        return DistContext(env, torch_device, dist.get_backend(), store, progress,
-                           mesh=build_mesh(torch_device, dist.get_world_size(), replicate, tensor_parallel),
-                           liveness=liveness)
+        return _with_mesh(DistContext(env, torch_device, dist.get_backend(), store, progress, liveness=liveness),
+                          replicate, tensor_parallel, context_parallel)
     timeout = timedelta(seconds=timeout_s)
     # A rank that never arrives makes every other rank's store call fail, and c10d print a
     # stack trace on each: held back, ddp_amp's one line says it (held_stderr.py).
@@ -286,9 +236,14 @@ def init_distributed(env: DistEnv, device: DeviceChoice = "auto", backend: Backe
     start_heart(store if env.is_distributed else None, env, liveness, progress)
     # The group is formed on our own store first (a per-attempt prefix, above); the mesh
     # then lays the ranks out on it.
-    return DistContext(env, torch_device, chosen, store if env.is_distributed else None, progress,
-                       mesh=build_mesh(torch_device, env.world_size, replicate, tensor_parallel),
-                       liveness=liveness)
+    return _with_mesh(DistContext(env, torch_device, chosen, store if env.is_distributed else None, progress,
+                                  liveness=liveness), replicate, tensor_parallel, context_parallel)
+
+
+def _with_mesh(ctx: DistContext, replicate: int, tensor_parallel: int, context_parallel: int) -> DistContext:
+    """`ctx` with the ranks of its group laid out (collective)."""
+    mesh = build_mesh(ctx.device, dist.get_world_size(), replicate, tensor_parallel, context_parallel)
+    return dataclasses.replace(ctx, mesh=mesh, folded_mesh=build_folded_mesh(ctx.device, mesh))
 
 
 # The store (None for a group of one) and progress of the group init_distributed formed,

@@ -16,12 +16,15 @@
 - `safetensors_file`: a `.safetensors` file's header and any slice of a tensor, read with
   plain reads, never mapped;
 - `tp_plan`: a transformers model's own tensor-parallel plan (`_tp_plan`, from its config's
-  `base_model_tp_plan`), in ddp_amp's styles, with sequence parallel on its blocks' norms.
+  `base_model_tp_plan`), in ddp_amp's styles, with sequence parallel on its blocks' norms;
+- `attention`: a transformers model's attention layers routed to a function of ddp_amp's
+  (context parallel's all-gather attention), registered in transformers' attention interface.
 
 Imports `errors`, `durable` and `torch_api` from ddp_amp, nothing else; transformers and
 safetensors only where they are used.
 """
 
+from ddp_amp.hf.attention import attends_through_interface, use_attention
 from ddp_amp.hf.config import (HF_CONFIG, TIED, build_causal_lm, export_config, hf_config_record, model_config,
                                read_model_directory, require_transformers, run_hf_config, unsharded_architectures)
 from ddp_amp.hf.tokenizer import (HF_FILES, TOKENIZER_FILES, load_tokenizer, run_hf_files, saved_call_settings,
@@ -32,9 +35,39 @@ from ddp_amp.hf.weights_in import (LoadedWeights, WeightHeaders, WeightsMatch, l
 from ddp_amp.hf.weights_out import (ExportedTensors, check_hf_output, parse_size, require_safetensors,
                                     storable_tensors, tied_once, write_hf_directory, write_safetensors)
 
-__all__ = ["HF_CONFIG", "HF_FILES", "TIED", "TOKENIZER_FILES", "ExportedTensors", "LoadedWeights", "ModelPlan",
-           "WeightHeaders", "WeightsMatch", "build_causal_lm", "check_hf_output", "export_config", "hf_config_record",
-           "load_pretrained", "load_tokenizer", "match_weights", "model_config", "model_tensor_parallel_plan",
-           "parse_size", "read_headers", "read_model_directory", "require_safetensors", "require_transformers",
-           "run_hf_config", "run_hf_files", "saved_call_settings", "storable_tensors", "tied_once", "tokenizer_files",
-           "unsharded_architectures", "write_hf_directory", "write_safetensors"]
+__all__ = [
+                               "HF_CONFIG",
+                               "HF_FILES",
+                               "TIED",
+                               "TOKENIZER_FILES",
+                               "ExportedTensors",
+                               "LoadedWeights",
+                               "ModelPlan",
+                               "WeightHeaders",
+                               "WeightsMatch",
+                               "attends_through_interface",
+                               "build_causal_lm",
+                               "check_hf_output",
+                               "export_config",
+                               "hf_config_record",
+                               "load_pretrained",
+                               "load_tokenizer",
+                               "match_weights",
+                               "model_config",
+                               "model_tensor_parallel_plan",
+                               "parse_size",
+                               "read_headers",
+                               "read_model_directory",
+                               "require_safetensors",
+                               "require_transformers",
+                               "run_hf_config",
+                               "run_hf_files",
+                               "saved_call_settings",
+                               "storable_tensors",
+                               "tied_once",
+                               "tokenizer_files",
+                               "unsharded_architectures",
+                               "use_attention",
+                               "write_hf_directory",
+                               "write_safetensors",
+]

@@ -11,11 +11,14 @@
 - `fsdp`: sharding a model's units and root with FSDP2 (`--shard`), and what units are;
 - `tensor_parallel`: splitting a model's matmuls over the mesh's `tp` dimension by a plan
   (`--tensor-parallel`), with sequence and loss parallel;
+- `context_parallel`: splitting every sequence over the mesh's `cp` dimension
+  (`--context-parallel`): the batch's cut and the all-gather attention;
 - `options`: `ParallelOptions`, the run's choices among them (flags).
 
-Imports `amp`, `distributed` and `errors` from ddp_amp; the session builds on it.
+Imports `amp`, `distributed`, `hf` and `errors` from ddp_amp; the session builds on it.
 """
 
+from ddp_amp.parallel.context_parallel import SequenceSplit, split_attention
 from ddp_amp.parallel.ddp import CommHook, comm_hook, release_ddp, wrap_ddp
 from ddp_amp.parallel.fsdp import (Units, default_units, describe_units, fused_kernel_takes, shard_model,
                                    shard_units)
@@ -28,8 +31,9 @@ from ddp_amp.parallel.shard_rows import ShardSlot, shard_slot, split_slot
 from ddp_amp.parallel.tensor_parallel import STYLES, TensorParallelPlan, check_plan, split_dims
 
 __all__ = [
-    "STYLES", "CommHook", "ParallelPlan", "Parallelized", "ShardOptions", "ShardSlot", "TensorParallelPlan", "Units",
+    "STYLES", "CommHook", "ParallelPlan", "Parallelized", "SequenceSplit", "ShardOptions", "ShardSlot",
+    "TensorParallelPlan", "Units",
     "build_sharded", "build_whole", "check_gather_dtype", "check_plan", "comm_hook", "default_units",
     "describe_units", "fused_kernel_takes", "is_built_sharded", "meta_model", "parallelize", "release_ddp",
-    "shard_model", "shard_slot", "shard_units", "split_dims", "split_slot", "wrap_ddp",
+    "shard_model", "shard_slot", "shard_units", "split_attention", "split_dims", "split_slot", "wrap_ddp",
 ]

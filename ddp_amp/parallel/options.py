@@ -43,6 +43,13 @@ class ParallelOptions(ComponentOptions):
                                   "shard x tensor parallel; the data-parallel ranks are world size / N. N must "
                                   "divide the ranks per node; the plan is the model's own (transformers) or "
                                   "Task.tensor_parallel_plan", limits=(1, INT_LIMIT))
+    # --- context parallelism: splitting each sequence ---
+    context_parallel: int = option(1, "split every sequence over N ranks (context parallel, for windows too long "
+                                   "for one GPU's activations): each keeps 2 of 2N chunks, attention all-gathers "
+                                   "the keys and values, exact under causal and document masks; the mesh is "
+                                   "replicate x shard x context parallel x tensor parallel and the data-parallel "
+                                   "ranks are world size / (N x --tensor-parallel). A transformers model's "
+                                   "attention only (--task causal_lm)", limits=(1, INT_LIMIT))
     # --- performance fast paths (measured by python -m ddp_amp.bench) ---
     compile: bool = option(False, "torch.compile the model (inside the autocast wrapper, under DDP; with "
                            "--shard each unit's forward, the root's own layers stay eager) and the loss; "
@@ -57,9 +64,13 @@ class ParallelOptions(ComponentOptions):
     def check(self) -> None:
         """Choices, and the options that belong to one of DDP and FSDP2 only."""
         check_fields(self, ParallelOptions)
-        if self.tensor_parallel > 1 and self.static_graph:
-            raise UsageError(flag_of("static_graph"), True, "an option that works with --tensor-parallel",
+        split_flag = "tensor_parallel" if self.tensor_parallel > 1 else "context_parallel"
+        if self.spread_by_fsdp and self.static_graph:
+            raise UsageError(flag_of("static_graph"), True, f"an option that works with {flag_of(split_flag)}",
                              f"{flag_of('static_graph')} is DDP's; a split model is spread by FSDP2: drop it")
+        if self.context_parallel > 1 and self.compile:
+            raise UsageError(flag_of("compile"), True, f"no {flag_of('compile')} with {flag_of('context_parallel')}",
+                             "the split attention's gathers are not compiled yet: drop one of them")
         if self.shard:
             if self.static_graph:
                 raise UsageError(flag_of("static_graph"), True, "an option that works with --shard",
@@ -68,7 +79,7 @@ class ParallelOptions(ComponentOptions):
         else:
             # A split model is spread by FSDP2 even without --shard (its data-parallel ranks
             # replicate it): the options of FSDP2's units apply to it; replicas are its own layout.
-            split = self.tensor_parallel > 1
+            split = self.spread_by_fsdp
             on = [name for name, asked in (("activation_checkpointing", self.activation_checkpointing != "none"),
                                            ("reshard_after_forward", not self.reshard_after_forward),
                                            ("replicate", self.replicate != 1),
@@ -78,6 +89,13 @@ class ParallelOptions(ComponentOptions):
             if on:
                 raise UsageError(flag_of(on[0]), getattr(self, on[0]), "--shard with it (it is a sharding option)",
                                  "add --shard, or drop it")
+
+
+    @property
+    def spread_by_fsdp(self) -> bool:
+        """Whether FSDP2 spreads the model even without --shard: a model split by tensor or
+        context parallelism, which DDP cannot wrap (its data-parallel ranks then replicate it)."""
+        return self.tensor_parallel > 1 or self.context_parallel > 1
 
 
 def check_gather_dtype(param_dtype: str, precision: str, names: tuple[str, str]) -> None:

@@ -41,7 +41,7 @@ from torch import nn
 from ddp_amp.amp.autocast import AutocastModule
 from ddp_amp.amp.float8 import convert_linears
 from ddp_amp.amp.precision import Precision
-from ddp_amp.distributed import DistContext, data_mesh
+from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.parallel.ddp import comm_hook, wrap_ddp
 from ddp_amp.parallel.fsdp import describe_units, shard_model, shard_units
@@ -93,7 +93,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, precision: Precision, ctx:
     elif plan.compile:
         inner = torch.compile(inner)  # type: ignore[assignment]  # of a module: an OptimizedModule
     if plan.shard:
-        inner = shard_model(inner, units, mesh=data_mesh(ctx.mesh), reshard_after_forward=plan.reshard_after_forward,  # type: ignore[arg-type]  # checked: a mesh
+        inner = shard_model(inner, units, mesh=ctx.spread_mesh, reshard_after_forward=plan.reshard_after_forward,  # type: ignore[arg-type]  # checked: a mesh
                             reduce_dtype=plan.reduce_dtype, param_dtype=plan.gather_dtype,
                             cpu_offload=plan.cpu_offload)
         if built_sharded:
@@ -138,7 +138,7 @@ def _sharded_description(plan: ParallelPlan, units: list[nn.Module], ctx: DistCo
                                     (plan.param_dtype != "fp32", f"parameters gathered in {plan.param_dtype}"),
                                     (plan.cpu_offload, "offloaded to the host"))
               if on]
-    split = _split(plan, ctx)
+    split = ", ".join(part for part in (_split(plan, ctx), _sequences(ctx)) if part)
     if split and _shard_degree(plan, ctx) == 1:
         spread = f"{split}, replicated over {ctx.dp_size} rank{'s' if ctx.dp_size != 1 else ''}"
     else:
@@ -157,9 +157,14 @@ def _split(plan: ParallelPlan, ctx: DistContext) -> str:
     return f"tensor parallel over {ctx.tp_size} ranks" + (f" ({', '.join(kinds)})" if kinds else "")
 
 
+def _sequences(ctx: DistContext) -> str:
+    """'context parallel over 2 ranks (all-gather attention)', or nothing."""
+    return f"context parallel over {ctx.cp_size} ranks (all-gather attention)" if ctx.cp_size > 1 else ""
+
+
 def _shard_degree(plan: ParallelPlan, ctx: DistContext) -> int:
-    """Over how many ranks each replica of the model is sharded."""
-    return ctx.dp_size // plan.replicate
+    """Over how many ranks each replica of the model is sharded (a cp group's ranks shard it too)."""
+    return ctx.dp_size * ctx.cp_size // plan.replicate
 
 
 def _replicas(plan: ParallelPlan, ctx: DistContext) -> str:

@@ -75,9 +75,10 @@ class ShardSlot:
 
 
 def shard_slot(mesh: DeviceMesh) -> ShardSlot:
-    """This rank's slot on the mesh's sharding dimension (replicas of HSDP share a slot)."""
+    """This rank's slot on the mesh's sharding dimension (replicas of HSDP share a slot), the
+    innermost data-parallel one of the mesh FSDP2 spreads the model over (`DistContext.spread_mesh`)."""
     names = mesh.mesh_dim_names or ()
-    dim = names.index("dp_shard") if "dp_shard" in names else names.index("dp") if "dp" in names else 0
+    dim = next((names.index(name) for name in ("dp_shard_cp", "dp_shard", "dp_cp", "dp") if name in names), 0)
     return ShardSlot(mesh.size(dim), mesh.get_local_rank(dim))
 
 

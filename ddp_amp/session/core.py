@@ -35,8 +35,7 @@ from torch import nn
 from ddp_amp.amp import (AgreedGradScaler, AutocastModule, LossScaleOptions, Precision, StepResult, amp_step,
                          scaled_backward, unwrap_model)
 from ddp_amp.distributed import (BackendChoice, DeviceChoice, DistContext, Liveness, PeerWatch, agreed_origin,
-                                 all_gather_objects,
-                                 all_reduce_, announce_failure, init_distributed, on_rank_zero,
+                                 all_gather_objects, all_reduce_, announce_failure, init_distributed, on_rank_zero,
                                  shutdown_distributed, to_device)
 from ddp_amp.env import detect_env
 from ddp_amp.errors import UsageError
@@ -70,7 +69,7 @@ class Session(SessionPlace, SessionSaving):
                  scaler_options: Mapping[str, float | int] | None = None,
                  environ: Mapping[str, str] | None = None, *, fp8_emulate: bool = False,
                  shard: ShardOptions | None = None, save_arrival_s: float = 30.0,
-                 liveness: Liveness | None = None, tensor_parallel: int = 1) -> None:
+                 liveness: Liveness | None = None, tensor_parallel: int = 1, context_parallel: int = 1) -> None:
         if not save_arrival_s > 0:
             raise UsageError("save_arrival_s", save_arrival_s, "seconds > 0", "e.g. 30")
         self.save_arrival_s = save_arrival_s
@@ -80,7 +79,7 @@ class Session(SessionPlace, SessionSaving):
         self._scaler_options = {**LossScaleOptions().scaler_kwargs(), **(scaler_options or {})}
         self._environ = environ
         self._shard = shard
-        self._tensor_parallel = tensor_parallel
+        self._tensor_parallel, self._context_parallel = tensor_parallel, context_parallel
         self._liveness = liveness
         self._ctx: DistContext | None = None
         self._precision: Precision | None = None
@@ -105,7 +104,7 @@ class Session(SessionPlace, SessionSaving):
         env = detect_env(os.environ if self._environ is None else self._environ)
         # Refused, where they are, before any group is joined; a split model is spread over the
         # data-parallel ranks by FSDP2, sharded or (without shard=) replicated.
-        self._shard = layout_shard(self._shard, self._tensor_parallel, env, self.option_names)
+        self._shard = layout_shard(self._shard, self._tensor_parallel, env, self.option_names, self._context_parallel)
         chosen, self._precision = resolve_choices(precision, device, backend, env, fp8_emulate, self._shard,
                                                   self.option_names, self._tensor_parallel)
         # A group the caller made before is the caller's to destroy; one we make is ours.
@@ -113,7 +112,7 @@ class Session(SessionPlace, SessionSaving):
         ctx = init_distributed(env, chosen, backend, timeout_s, group_of_one=self._shard is not None,
                                liveness=self._liveness, replicate=self._shard.replicate if self._shard else 1,
                                host_collectives=self._shard is not None and self._shard.cpu_offload,
-                               tensor_parallel=self._tensor_parallel)
+                               tensor_parallel=self._tensor_parallel, context_parallel=self._context_parallel)
         try:
             self._scaler = self._precision.make_scaler(**self._scaler_options)
         except Exception:
@@ -225,8 +224,9 @@ class Session(SessionPlace, SessionSaving):
         or a function naming its blocks, else its largest ModuleList's children, then the model). `compile_model`
         compiles it inside the wrapper (sharded: each unit's forward); `grad_comm_dtype` ("bf16", "fp16") reduces
         gradients compressed. With `tensor_parallel=` the model's matmuls are split first, by
-        `tensor_parallel_plan` (module name patterns -> styles) or a transformers model's own plan.
-        Make optimizers from the returned module's parameters. Other keywords (static_graph, ...) go to DDP."""
+        `tensor_parallel_plan` (module name patterns -> styles) or a transformers model's own plan; with
+        `context_parallel=` its attention layers gather each sequence (a transformers model's). Make optimizers
+        from the returned module's parameters. Other keywords (static_graph, ...) go to DDP."""
         return self._made().setup(model, compile_model=compile_model, grad_comm_dtype=grad_comm_dtype,
                                   cast_outputs_to_fp32=cast_outputs_to_fp32, units=units, ddp_options=ddp_options,
                                   tensor_parallel_plan=tensor_parallel_plan)
@@ -277,9 +277,8 @@ class Session(SessionPlace, SessionSaving):
         return self.precision.autocast()
 
     def loss_parallel(self) -> AbstractContextManager[Any]:
-        """Where the model is split (tensor_parallel=), its logits come split over the vocabulary:
-        enter this around the loss and its backward, which then run on the parts; elsewhere it
-        does nothing."""
+        """Where the model is split (tensor_parallel=), its logits come split over the vocabulary: enter
+        this around the loss and its backward, which then run on the parts; elsewhere it does nothing."""
         return loss_parallel() if self.ctx.tp_size > 1 else nullcontext()
 
     # -- gradients and steps ---------------------------------------------------------
@@ -360,6 +359,11 @@ class Session(SessionPlace, SessionSaving):
     def to_device(self, batch: Any) -> Any:
         """Move tensors (also inside lists, tuples and dicts) to this rank's device."""
         return to_device(batch, self.device)
+
+    def split_sequences(self, batch: Any) -> Any:
+        """Under context_parallel=, this rank's part of each sequence (tensors of 2+ dims cut on dim 1)."""
+        sequences = self._made().sequences
+        return batch if sequences is None else sequences.keep(batch)
 
     def on_rank_zero(self, work: Callable[[], T]) -> T:
         """Rank 0 runs `work`; every rank returns its result or raises its error (collective)."""

@@ -29,9 +29,9 @@ from ddp_amp.distributed import DistContext
 from ddp_amp.errors import UsageError
 from ddp_amp.distributed import is_sharded
 from ddp_amp.hf import model_tensor_parallel_plan
-from ddp_amp.parallel import (ParallelPlan, ShardOptions, ShardSlot, TensorParallelPlan, Units, build_sharded,
-                              build_whole, check_plan, is_built_sharded, meta_model, parallelize, release_ddp,
-                              shard_slot, split_dims, split_slot)
+from ddp_amp.parallel import (ParallelPlan, SequenceSplit, ShardOptions, ShardSlot, TensorParallelPlan, Units,
+                              build_sharded, build_whole, check_plan, is_built_sharded, meta_model, parallelize,
+                              release_ddp, shard_slot, split_attention, split_dims, split_slot)
 from ddp_amp.session.own_stream import OwnStreamReplay
 from ddp_amp.session.same_start import broadcast_from_rank_zero
 
@@ -48,6 +48,9 @@ class SessionModels:
         self._ddp: list[weakref.ref[DDP]] = []
         self.sharded: list[nn.Module] = []  # the user's modules, sharded (FSDP roots)
         self._described: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        # Each sequence's part this rank keeps, where the mesh splits sequences (context parallel)
+        self.sequences = (SequenceSplit(ctx.cp_size, ctx.mesh.get_local_rank("cp"), ctx.mesh.get_group("cp"))
+                          if ctx.cp_size > 1 and ctx.mesh is not None else None)
 
     def setup(self, model: nn.Module, *, compile_model: bool, grad_comm_dtype: str, cast_outputs_to_fp32: bool,
               units: Units, ddp_options: dict[str, Any],
@@ -59,6 +62,8 @@ class SessionModels:
         plan = self.plan(compile_model=compile_model, grad_comm_dtype=grad_comm_dtype,
                          cast_outputs_to_fp32=cast_outputs_to_fp32, units=units, ddp_options=ddp_options,
                          tensor_parallel=self.tensor_parallel_plan(model, tensor_parallel_plan))
+        if self.sequences is not None:
+            split_attention(model, self.sequences, self.names["context_parallel"])
         if plan.shard and self.ctx.world_size > 1 and not is_built_sharded(model):
             # As DDP does at construction: rank 0's init everywhere, whatever each rank seeded.
             broadcast_from_rank_zero(model.to(self.ctx.device))
@@ -89,14 +94,14 @@ class SessionModels:
             dist.broadcast_object_list(first, src=0)
         skipped = frozenset(overwritten)
         if torch.equal(own, first[0]):
-            return build_sharded(factory, shard_slot(self.ctx.mesh), skipped, slots, named)
+            return build_sharded(factory, shard_slot(self.ctx.spread_mesh), skipped, slots, named)
         # Seeded apart (dropout, data order): this rank's own stream goes on from where a
         # plain build would leave it (own_stream.py), for the draws the build makes.
         torch.set_rng_state(first[0])
         replay = OwnStreamReplay(own)
         try:
             with replay:
-                model = build_sharded(factory, shard_slot(self.ctx.mesh), skipped, slots, named)
+                model = build_sharded(factory, shard_slot(self.ctx.spread_mesh), skipped, slots, named)
         finally:
             torch.set_rng_state(replay.own)
         return model
@@ -118,7 +123,7 @@ class SessionModels:
             return None
         plan = self.tensor_parallel_plan(meta, given)
         dims = split_dims(meta, plan) if plan is not None else {}
-        base, mesh = shard_slot(self.ctx.mesh), self.ctx.mesh
+        base, mesh = shard_slot(self.ctx.spread_mesh), self.ctx.mesh
         named = {name: split_slot(base, mesh, dim) for name, dim in dims.items()}
         by_identity = {id(param): named[name] for name, param in meta.named_parameters(remove_duplicate=False)}
         kept = {id(module) for module in meta.modules()}

@@ -88,6 +88,12 @@ def read_options(config: TrainConfig) -> dict[str, Any]:
                          "e.g. --task-opt model=/models/Llama-3.2-1B")
     if values["max_length"] < 1:
         raise UsageError("--task-opt max_length", values["max_length"], "an integer >= 1", "e.g. max_length=2048")
+    chunks = 2 * config.parallel_options().context_parallel
+    if chunks > 2 and values["max_length"] % chunks:
+        # A window's max_length inputs and their labels (shifted before the cut) are cut in 2N equal chunks.
+        raise UsageError("--task-opt max_length", values["max_length"], f"a multiple of 2 x --context-parallel = "
+                         f"{chunks} (each rank keeps 2 of {chunks} equal chunks of every window)",
+                         f"e.g. --task-opt max_length={max(chunks, values['max_length'] // chunks * chunks)}")
     for key in ("test_size", "warmup_ratio"):
         if not 0 <= values[key] < 1:
             raise UsageError(f"--task-opt {key}", values[key], "a fraction in [0, 1)", f"e.g. {key}=0.01")

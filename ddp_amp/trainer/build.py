@@ -33,9 +33,11 @@ def prepare_task(config: TrainConfig, session: Session,
     options that name its metrics, then seed each rank's own streams (dropout, augmentation)
     with `seed + rank`. `check_weights(task)`, before the model is built: the names of the
     parameters a load fills next (pretrained weights), whose init the build need not draw."""
-    # fail on a bad batch size before any work; the ranks of a tensor-parallel group share a batch
-    config.data_options().micro_batch_size(session.ctx.dp_size, "world size" if session.ctx.tp_size == 1 else
-                                           "data-parallel ranks (world size / --tensor-parallel)")
+    # fail on a bad batch size before any work; the ranks of a tensor- or context-parallel group share a batch
+    ctx = session.ctx
+    config.data_options().micro_batch_size(ctx.dp_size, "world size" if ctx.dp_size == ctx.world_size else
+                                           "data-parallel ranks (world size / (--tensor-parallel x "
+                                           "--context-parallel))")
     seed_everything(config.seed)  # same model init on every rank
     task = load_task(config.task, config)
     overwritten = check_weights(task) if check_weights is not None else ()

@@ -45,7 +45,8 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, session: 
         return {}
     score, ctx = _scorer(task), session.ctx
     # Strided over the data-parallel ranks: ranks that differ only in a model-parallel
-    # dimension score the same items, and the all-reduced sums and counts scale alike.
+    # dimension score the same items, and the all-reduced sums and counts scale alike (ranks
+    # that split sequences score each its part of them: their sums and counts add up).
     sampler = range(ctx.dp_rank, len(data), ctx.dp_size)  # type: ignore[arg-type]  # torch's Dataset declares no __len__; a map-style one has it
     # A held-out set smaller than the world leaves some ranks no item; they still have
     # to join one all-reduce per metric name, so they score item 0 and add it at weight 0.
@@ -56,7 +57,7 @@ def evaluate(task: Task, forward: nn.Module, train_mode_of: nn.Module, session: 
 
     def add(batch: Any, batch_weight: float) -> None:
         with session.loss_parallel():  # a split model's logits are scored on their parts
-            scored = score(forward, session.to_device(batch))
+            scored = score(forward, session.split_sequences(session.to_device(batch)))
         for name, (total, count) in scored.items():
             pair = batch_weight * torch.stack([whole(total).detach().double().to(ctx.device),
                                                torch.tensor(float(count), dtype=torch.float64, device=ctx.device)])
@@ -130,7 +131,7 @@ def reported_metrics(task: Task, session: Session, model: nn.Module | None = Non
     model.eval()
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            scored = _scorer(task)(model, session.to_device(collate([task.eval_data[0]])))
+            scored = _scorer(task)(model, session.split_sequences(session.to_device(collate([task.eval_data[0]]))))
     finally:
         model.train(was_training)
     names = {name: 1.0 for name in scored}

@@ -17,7 +17,8 @@ reduces gradients once per step, averaging them over the ranks. How a micro-batc
   `num_items_in_batch`). A mean per micro-batch would weigh a token of a micro-batch with few
   targets more than a token of a full one. World size, not the data-parallel degree: ranks that
   hold the same batch (a tensor-parallel group) count its items once each and are averaged over too,
-  so the two cancel.
+  so the two cancel; ranks that split its sequences (a context-parallel group) count each its part,
+  and their gradients are averaged over them as over data-parallel ranks.
 
 Nothing here reads the device: the counts, the weight and the losses stay there.
 """
@@ -62,6 +63,9 @@ class MicroSteps:
         self._step_model = _called_in_step(model, batch_loss)
         self._count_items = count_items
         self._splits, self._split_loss = session.ctx.tp_size > 1, session.loss_parallel
+        # Under context parallel each batch is cut to this rank's part of its sequences as it is
+        # drawn: counted and run on that part (the counts of a cp group's ranks add up to the window's).
+        self._cut = session.split_sequences if session.ctx.cp_size > 1 else None
         self.extras: dict[str, torch.Tensor] = {}  # a step_fn's other scalars, last step, on the device
 
     def run(self, stream: Iterator[Any]) -> torch.Tensor:
@@ -69,6 +73,8 @@ class MicroSteps:
         step's loss, detached (collective through a DDP or sharded model, and where items are
         counted)."""
         accum = self.grad_accum
+        if self._cut is not None:
+            stream = map(self._cut, stream)
         if accum == 1 and self._count_items is None:  # the common step: one micro-batch, its own mean
             return self._micro_step(next(stream), None, first=True)
         batches: Iterator[Any] = stream

@@ -19,7 +19,7 @@ def shard_options(config: TrainConfig) -> ShardOptions | None:
     """FSDP2's settings where the run shards its model, or splits it (tensor parallel: FSDP2
     then replicates it over the data-parallel ranks without --shard); None where DDP replicates it."""
     parallel = config.parallel_options()
-    if not parallel.shard and parallel.tensor_parallel == 1:
+    if not parallel.shard and not parallel.spread_by_fsdp:
         return None
     return ShardOptions(parallel.reshard_after_forward, parallel.activation_checkpointing,
                         replicate=parallel.replicate if parallel.shard else 0, param_dtype=parallel.shard_param_dtype,
@@ -38,7 +38,8 @@ def session_for(config: TrainConfig) -> Session:
     return CommandLineSession(precision.precision, dist.device, dist.backend, dist.dist_timeout,  # type: ignore[arg-type]  # strs, checked as choices
                    scaler_options=precision.loss_scale().scaler_kwargs(), fp8_emulate=precision.fp8_emulate,
                    shard=shard_options(config), liveness=dist.liveness(),
-                   tensor_parallel=config.parallel_options().tensor_parallel)
+                   tensor_parallel=config.parallel_options().tensor_parallel,
+                   context_parallel=config.parallel_options().context_parallel)
 
 
 def check_options(config: TrainConfig) -> None:
