@@ -5,8 +5,8 @@ trains as one rank does.
 `causal_lm` on a tiny Llama, fp32, 10 SGD steps with clipping, on two kinds of data: text windows
 (causal mask only), and text packed with `boundaries=true` mixed with packed conversations under the
 assistant-only mask (document masks, restarting positions, most labels masked). CP 2 on 2 ranks, and
-CP 4, CP 2 x TP 2 and CP 2 x shard 2 on 4 ranks give the 1-rank run's step losses within 1e-5
-relative. Checkpoints move between cp degrees: CP 2 x shard 2 -> shard 4 (CP 1) -> CP 4 on 4 ranks
+CP 4, CP 2 x TP 2, CP 2 x shard 2 and CP 2 x replicate 2 on 4 ranks give the 1-rank run's step losses within 1e-5
+relative, and its held-out loss after them. Checkpoints move between cp degrees: CP 2 x shard 2 -> shard 4 (CP 1) -> CP 4 on 4 ranks
 continue with the 1-rank run's losses within 1e-6 (every degree trained on the same windows). The
 logits of each rank's chunks equal the unsplit window's at those positions (grouped-query heads,
 packed documents), and the gradients summed over the ranks equal the unsplit ones.
@@ -33,7 +33,7 @@ STEPS, SEQ, BATCH = 10, 96, 8
 DATA = ("text", "packed")
 # (context parallel, tensor parallel, --shard, ranks): the shapes of the same global batch
 SHAPES = {"cp2": (2, 1, False, 2), "cp4": (4, 1, False, 4), "cp2 x tp2": (2, 2, False, 4),
-          "cp2 x shard2": (2, 1, True, 4)}
+          "cp2 x shard2": (2, 1, True, 4), "cp2 x replicate2": (2, 1, False, 4)}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,8 @@ def _config(corpus: dict[str, Path], data: str, context_parallel: int = 1, tenso
             shard: bool = False) -> Any:
     packed = data == "packed"
     return config(task="causal_lm", task_opt=(f"model={corpus['model']}", f"max_length={SEQ}",
-                                              "lr_scheduler_type=constant", f"boundaries={str(packed).lower()}"),
+                                              "lr_scheduler_type=constant", f"boundaries={str(packed).lower()}",
+                                              "test_size=0.05"),
                   data=(str(corpus["text"]), *([f"{corpus['chat']}:0.5"] if packed else [])),
                   data_cache=str(corpus["cache"]), batch_size=BATCH, optimizer="sgd", lr=0.5, clip_grad_norm=1.0,
                   max_steps=STEPS, eval_every=0, context_parallel=context_parallel, tensor_parallel=tensor_parallel,
@@ -68,7 +69,8 @@ def _train(ctx: DistContext, corpus: dict[str, Path], root: Path, shapes: list[t
     for data in DATA:
         for context_parallel, tensor_parallel, shard in shapes:
             trainer = build_trainer(_config(corpus, data, context_parallel, tensor_parallel, shard), ctx, None)
-            runs[data].append({"losses": _losses(trainer, STEPS), "layout": trainer.layout})
+            losses = _losses(trainer, STEPS)
+            runs[data].append({"losses": losses, "layout": trainer.layout, "eval": trainer.evaluate()["eval_loss"]})
             del trainer
     chained: list[float] = []
     saved = None
@@ -105,6 +107,7 @@ def test_split_sequences_train_as_one_rank_does(shape: str, data: str, trained: 
     assert f"context parallel over {degree} ranks (all-gather attention)" in split["layout"], split["layout"]
     assert split["losses"] == pytest.approx(alone["losses"], rel=1e-5), (shape, split["losses"], alone["losses"])
     assert alone["losses"][-1] < alone["losses"][0]  # it trained
+    assert split["eval"] == pytest.approx(alone["eval"], rel=1e-5), (split["eval"], alone["eval"])  # held out: split too
 
 
 def test_a_checkpoint_resumes_on_another_cp_degree_with_the_straight_runs_losses(trained: dict[str, Any]) -> None:
@@ -181,3 +184,44 @@ def test_a_layout_that_cannot_split_sequences_is_one_line_before_anything_is_wri
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0] and "hint:" in lines[0], lines
     assert not run.exists()
+
+
+def test_a_split_sequence_run_composes_with_the_run_options_through_the_cli(tmp_path: Path) -> None:
+    """torchrun, CP 2: pretrained weights read in, bf16 compute and gathers, full activation
+    checkpointing, clipping and evaluations; resumed with selective checkpointing; exported for
+    from_pretrained, which attends with its own kernel, not the split one."""
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    from ddp_amp.export import main as export_main
+    from ddp_amp.parallel.context_parallel import ATTENTION_NAME
+    from tests.multiproc import run_train
+
+    model = make_model_dir(tmp_path / "model", vocab_size=256, width=32, layers=2, heads=2, max_positions=64)
+    text = write_jsonl(tmp_path / "text.jsonl", [{"text": d} for d in corpus_documents(30)])
+    run = tmp_path / "run"
+    base = ["--task", "causal_lm", "--task-opt", f"model={model}", "--task-opt", "max_length=32", "--task-opt",
+            "test_size=0.05", "--data", str(text), "--data-cache", str(tmp_path / "cache"), "--device", "cpu",
+            "--batch-size", "4", "--log-every", "1", "--eval-every", "2", "--context-parallel", "2",
+            "--precision", "bf16", "--shard-param-dtype", "bf16", "--clip-grad-norm", "1.0", "--run-dir", str(run)]
+    first = run_train([*base, "--init-weights", str(model), "--activation-checkpointing", "full", "--max-steps", "2"],
+                      nproc=2, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "context parallel over 2 ranks (all-gather attention)" in first.stdout, first.stdout[-3000:]
+    assert "activation checkpointing per unit" in first.stdout and "parameters gathered in bf16" in first.stdout
+    assert "initial weights from" in first.stdout
+    second = run_train([*base, "--activation-checkpointing", "selective", "--max-steps", "4"], nproc=2, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "at step 2" in second.stdout and "selective activation checkpointing per unit" in second.stdout
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert len(losses) == 4 and len(evals) >= 2 and all(0 < v < 20 for v in losses + evals), records
+
+    out = tmp_path / "hf"
+    assert export_main([str(run), "--to", str(out), "--hf"]) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.config._attn_implementation != ATTENTION_NAME
+    assert ATTENTION_NAME not in (out / "config.json").read_text()
+    with torch.no_grad():
+        assert torch.isfinite(loaded(torch.randint(0, 200, (1, 16))).logits).all()

@@ -22,17 +22,17 @@ def attends_through_interface(model: nn.Module) -> bool:
     return hasattr(getattr(model, "config", None), "_attn_implementation")
 
 
-def use_attention(model: nn.Module, name: str, function: Callable[..., Any], flag: str) -> None:
+def use_attention(model: nn.Module, name: str, function: Callable[..., Any], flag: str, value: object) -> None:
     """Make every attention layer of `model` call `function`, registered as `name`; a one-line
-    UsageError naming `flag` for a model that does not look its attention up by name."""
+    UsageError naming `flag` and its `value` for a model that does not look its attention up by name."""
     if not attends_through_interface(model):
-        raise UsageError(flag, type(model).__name__, "a transformers model (its attention layers are routed "
-                         "through transformers' attention interface)",
+        raise UsageError(flag, value, f"a transformers model, whose attention layers are routed through "
+                         f"transformers' attention interface ({type(model).__name__} is not one)",
                          "the lm task's nn.MultiheadAttention is not split: use --task causal_lm")
     try:
         from transformers import AttentionInterface
     except ImportError as error:  # transformers before 4.48
-        raise UsageError(flag, type(model).__name__, "transformers >= 4.48 (its AttentionInterface)",
+        raise UsageError(flag, value, "transformers >= 4.48 (its AttentionInterface)",
                          "pip install -U transformers") from error
     AttentionInterface.register(name, function)
     model.config._attn_implementation = name  # type: ignore[union-attr]  # checked above

@@ -168,5 +168,5 @@ def split_attention(model: nn.Module, split: SequenceSplit, flag: str = "--conte
     """Route every attention layer of `model` (a transformers model) through the all-gather
     form over `split`'s ranks; the function, for a caller that keeps it."""
     function = ContextAttention(split)
-    use_attention(model, ATTENTION_NAME, function, flag)
+    use_attention(model, ATTENTION_NAME, function, flag, split.degree)
     return function
