@@ -38,14 +38,15 @@ from typing import Any, NoReturn
 
 import torch
 
-from ddp_amp.bench import (activation_memory, amp_recipe, build_memory, checkpoint_stall, data, fastpaths, host,
-                           memory, overhead, rank_zero, resume, scale, table, tensor_parallel, transformer)
+from ddp_amp.bench import (activation_memory, amp_recipe, build_memory, checkpoint_stall, context_parallel, data,
+                           fastpaths, host, memory, overhead, rank_zero, resume, scale, table, tensor_parallel,
+                           transformer)
 from ddp_amp.bench.targets import check_report, check_text
 from ddp_amp.fast_exit import exit_process
 from ddp_amp.torch_api import SHARDING, TENSOR_PARALLEL
 
 SECTIONS = ("recipe", "host", "overhead", "fastpaths", "transformer", "checkpoint", "memory", "resume", "scale",
-            "data", "tp")
+            "data", "tp", "cp")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
         "the detection time of a lost rank and the live ranks named; (data) tokenizing JSON lines per core "
         "against datasets.map, the causal_lm loader's draw against its step, a rank's memory with 1e9 windows; (tp) "
         "the parameters and activations a rank holds of a transformers Llama (Llama 3.2 1B's shape) split over "
-        "1, 2 and 4 ranks (tensor, sequence and loss parallel) against sharded over as many. "
+        "1, 2 and 4 ranks (tensor, sequence and loss parallel) against sharded over as many; (cp) the "
+        "activations a rank holds of one long window of a small Llama split over 1, 2 and 4 ranks (context "
+        "parallel), the keys and values gathered against the attention's FLOPs, and the longest window within "
+        "a memory budget at each degree. "
         "Defaults depend on the device: recipe sizes on CUDA, 1/16 of them and short runs on CPU.")
     parser.add_argument("--scale-ranks", default=",".join(map(str, scale.RANKS)),
                         help="the scale section's world sizes, comma-separated (default: %(default)s)")
@@ -171,6 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tp: the Llama's layers (default: %(default)s)")
     parser.add_argument("--tp-vocab", type=int, default=tensor_parallel.LlamaShape.vocab,
                         help="tp: the Llama's vocabulary (default: %(default)s)")
+    parser.add_argument("--cp-tokens", type=int, default=context_parallel.WindowShape.tokens,
+                        help="cp: tokens of the one window measured (default: %(default)s)")
+    parser.add_argument("--cp-width", type=int, default=context_parallel.WindowShape.width,
+                        help="cp: the Llama's hidden size, heads of 32 (default: %(default)s)")
+    parser.add_argument("--cp-budget-mib", type=int, default=context_parallel.WindowShape.budget_mib,
+                        help="cp: the activations per rank the longest window must fit (default: %(default)s)")
+    parser.add_argument("--cp-longest", type=int, default=context_parallel.WindowShape.longest_tried,
+                        help="cp: the longest window tried for the budget (default: %(default)s)")
     parser.add_argument("--tp-tokens", type=int, default=tensor_parallel.LlamaShape.tokens,
                         help="tp: tokens of the one sequence measured (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
@@ -318,6 +330,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   f"{TENSOR_PARALLEL.needs[1]}; this is torch {torch.__version__}"}
         report["sections"]["tp"] = section
         print("\n" + tensor_parallel.tp_table(section), flush=True)
+    if "cp" in args.sections:
+        if TENSOR_PARALLEL.available():
+            width = args.cp_width
+            section = context_parallel.run(context_parallel.WindowShape(
+                width=width, heads=max(2, width // 32), kv_heads=max(1, width // 128), tokens=args.cp_tokens,
+                budget_mib=args.cp_budget_mib, longest_tried=args.cp_longest))
+        else:
+            section = {"skipped": f"{TENSOR_PARALLEL.name} needs torch >= {TENSOR_PARALLEL.needs[0]}."
+                                  f"{TENSOR_PARALLEL.needs[1]}; this is torch {torch.__version__}"}
+        report["sections"]["cp"] = section
+        print("\n" + context_parallel.cp_table(section), flush=True)
     if "scale" in args.sections:
         section = scale.run(tuple(int(n) for n in args.scale_ranks.split(",")), args.scale_silence,
                             args.scale_beats_per_s)

@@ -21,7 +21,6 @@ the model is given the position ids (the unsplit window's positions of each kept
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,11 +124,14 @@ class ContextAttention:
         self.split = split
         self._masked_for: torch.Tensor | None = None
         self._mask: torch.Tensor | None = None
+        self.gathered_bytes = 0  # the keys and values gathered so far (what `python -m ddp_amp.bench` reports)
 
-    def mask(self, given: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-        """(batch, 1, this rank's length, length) True where a query may attend a key, keys in
-        gathered (rank) order, for the position ids `given` to the model."""
-        if self._masked_for is given and self._mask is not None:
+    def mask(self, given: torch.Tensor, batch: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """(batch, 1, this rank's length, length) in `dtype`: 0 where a query may attend a key, -inf
+        where not, keys in gathered (rank) order, for the position ids `given` to the model. One
+        tensor for every layer of a forward: the attention kernels keep their mask for backward,
+        and one in the queries' dtype is kept as it is (a bool one is converted, and kept, per layer)."""
+        if self._masked_for is given and self._mask is not None and self._mask.dtype == dtype:
             return self._mask
         split, device = self.split, given.device
         local_positions = given.expand(batch, -1)
@@ -141,8 +143,9 @@ class ContextAttention:
         documents = document_ids(natural)
         queries = split.positions(length, device)
         causal = order[None, :] <= queries[:, None]
-        same_document = documents[:, queries, None] == documents[:, None, order]
-        self._masked_for, self._mask = given, (causal[None] & same_document)[:, None]
+        allowed = causal[None] & (documents[:, queries, None] == documents[:, None, order])
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+        self._masked_for, self._mask = given, mask[:, None]
         return self._mask
 
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -156,15 +159,16 @@ class ContextAttention:
         split = self.split
         keys = _GatherSequence.apply(key, split.group, split.degree)
         values = _GatherSequence.apply(value, split.group, split.degree)
+        self.gathered_bytes += keys.nbytes + values.nbytes
         if keys.shape[1] != query.shape[1]:  # grouped-query attention: each key head serves several queries
             repeat = query.shape[1] // keys.shape[1]
             keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
-        mask = self.mask(positions, query.shape[0], keys.shape[2])
+        mask = self.mask(positions, query.shape[0], keys.shape[2], query.dtype)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
 
 
-def split_attention(model: nn.Module, split: SequenceSplit, flag: str = "--context-parallel") -> Callable[..., Any]:
+def split_attention(model: nn.Module, split: SequenceSplit, flag: str = "--context-parallel") -> ContextAttention:
     """Route every attention layer of `model` (a transformers model) through the all-gather
     form over `split`'s ranks; the function, for a caller that keeps it."""
     function = ContextAttention(split)
