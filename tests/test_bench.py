@@ -68,6 +68,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                     "--resume-repeats", "1",
                     "--data-copies", "1", "--data-trials", "1",
                     "--tp-width", "64", "--tp-layers", "1", "--tp-vocab", "512", "--tp-tokens", "16",
+                    "--cp-width", "64", "--cp-tokens", "256", "--cp-budget-mib", "24", "--cp-longest", "1024",
                     "--check", "--json", str(out))
     assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-3000:]
     return result, json.loads(out.read_text())
@@ -146,6 +147,16 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None
             assert 0.9 / row["ranks"] < row["parameters_ratio"] < 1.3 / row["ranks"], row
         assert all(check["meets_target"] is None for row in rows for check in row.get("target_checks", []))
         assert "Tensor parallel: per rank, a Llama of width 64" in text
+        # One window split over 1, 2 and 4 ranks: the activations fall with N, the keys and values
+        # gathered are reported, and the longer windows fit the same budget; the target needs 4,096 tokens.
+        rows = report["sections"]["cp"]["rows"]
+        assert [row["ranks"] for row in rows] == [1, 2, 4]
+        assert rows[0]["activations"] > rows[1]["activations"] > rows[2]["activations"], rows
+        assert rows[0]["gathered"] == 0 and rows[1]["gathered"] > 0 and rows[2]["flops_per_gathered_byte"] > 0
+        assert rows[0]["longest_within_budget"] <= rows[1]["longest_within_budget"] <= rows[2]["longest_within_budget"]
+        assert rows[2]["longest_within_budget"] > rows[0]["longest_within_budget"], rows
+        assert all(check["meets_target"] is None for row in rows for check in row.get("target_checks", []))
+        assert "Context parallel: per rank, one window of 256 tokens" in text
     # The real judges against one real store, 16 ranks each with its own connection, one
     # stopping: named, and no other; the rate achieved is reported beside the one asked.
     (scale_row,) = report["sections"]["scale"]["rows"]
