@@ -15,6 +15,7 @@ summed over the ranks equal the unsplit ones.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -226,3 +227,44 @@ def test_a_split_sequence_run_composes_with_the_run_options_through_the_cli(tmp_
     assert ATTENTION_NAME not in (out / "config.json").read_text()
     with torch.no_grad():
         assert torch.isfinite(loaded(torch.randint(0, 200, (1, 16))).logits).all()
+
+
+def _fp16_inf_on_one_rank(ctx: DistContext) -> dict[str, Any]:
+    """Collective (2 ranks, CP 2, fp16): a tiny Llama's steps on one split window, an inf written into
+    rank 1's part of one gradient at step 2: what each rank skipped, its scales and its norms."""
+    import transformers
+
+    from ddp_amp import Session
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      use_cache=False)
+    skipped, scales, norms = [], [], []
+    with Session("fp16", "cpu", "gloo", scaler_options={"init_scale": 256.0}, context_parallel=2) as session:
+        torch.manual_seed(0)
+        model = session.setup(transformers.LlamaForCausalLM(config))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            ids = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(step))
+            batch = session.split_sequences({"input_ids": ids[:, :-1], "labels": ids[:, 1:],
+                                             "position_ids": torch.arange(32).expand(2, -1)})
+            with session.autocast():
+                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+            session.backward(loss)
+            if step == 2 and ctx.rank == 1:  # this rank's part only: the other sees finite values
+                session.unwrap(model).model.layers[0].mlp.up_proj.weight.grad.to_local()[0, 0] = float("inf")
+            result = session.step(optimizer, clip_grad_norm=1.0)
+            optimizer.zero_grad(set_to_none=True)
+            skipped.append(int(result.skipped.item()))  # type: ignore[union-attr]
+            scales.append(session.scaler.get_scale())
+            norms.append(float(result.grad_norm))  # type: ignore[arg-type]
+    return {"skipped": skipped, "scales": scales, "norms": norms}
+
+
+def test_an_inf_in_one_ranks_part_skips_the_fp16_step_on_every_rank_of_the_cp_group() -> None:
+    pytest.importorskip("transformers")
+    first, second = run_ranks(_fp16_inf_on_one_rank, 2, timeout=300)
+    assert first["skipped"] == second["skipped"] == [0, 0, 1, 0], (first, second)
+    assert first["scales"] == second["scales"] and first["scales"][2] == first["scales"][1] / 2, first
+    assert first["norms"][3] == second["norms"][3] and math.isfinite(first["norms"][3])
