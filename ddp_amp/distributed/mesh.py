@@ -74,6 +74,8 @@ def build_folded_mesh(device: torch.device, mesh: DeviceMesh) -> DeviceMesh | No
         return None
     sizes = dict(zip(names, mesh.shape))
     tp = sizes.get("tp", 1)
+    shape: tuple[int, ...]
+    folded: tuple[str, ...]
     if "dp_replicate" in names:
         shape, folded = (sizes["dp_replicate"], sizes["dp_shard"] * sizes["cp"]), ("dp_replicate", "dp_shard_cp")
     else:

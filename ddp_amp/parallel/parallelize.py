@@ -93,7 +93,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, precision: Precision, ctx:
     elif plan.compile:
         inner = torch.compile(inner)  # type: ignore[assignment]  # of a module: an OptimizedModule
     if plan.shard:
-        inner = shard_model(inner, units, mesh=ctx.spread_mesh, reshard_after_forward=plan.reshard_after_forward,  # type: ignore[arg-type]  # checked: a mesh
+        inner = shard_model(inner, units, mesh=ctx.spread_mesh, reshard_after_forward=plan.reshard_after_forward,
                             reduce_dtype=plan.reduce_dtype, param_dtype=plan.gather_dtype,
                             cpu_offload=plan.cpu_offload)
         if built_sharded:

@@ -94,17 +94,21 @@ class SessionModels:
             dist.broadcast_object_list(first, src=0)
         skipped = frozenset(overwritten)
         if torch.equal(own, first[0]):
-            return build_sharded(factory, shard_slot(self.ctx.spread_mesh), skipped, slots, named)
+            return build_sharded(factory, self._slot(), skipped, slots, named)
         # Seeded apart (dropout, data order): this rank's own stream goes on from where a
         # plain build would leave it (own_stream.py), for the draws the build makes.
         torch.set_rng_state(first[0])
         replay = OwnStreamReplay(own)
         try:
             with replay:
-                model = build_sharded(factory, shard_slot(self.ctx.spread_mesh), skipped, slots, named)
+                model = build_sharded(factory, self._slot(), skipped, slots, named)
         finally:
             torch.set_rng_state(replay.own)
         return model
+
+    def _slot(self) -> ShardSlot:
+        """This rank's slot among the ranks FSDP2 shards over (the session shards: it has a mesh)."""
+        return shard_slot(self.ctx.spread_mesh)  # type: ignore[arg-type]  # a sharding session's mesh is laid out
 
     def _split_slots(self, factory: Callable[[], nn.Module], given: Mapping[str, str] | None
                      ) -> tuple[list[ShardSlot], dict[str, ShardSlot]] | None:
@@ -123,7 +127,7 @@ class SessionModels:
             return None
         plan = self.tensor_parallel_plan(meta, given)
         dims = split_dims(meta, plan) if plan is not None else {}
-        base, mesh = shard_slot(self.ctx.spread_mesh), self.ctx.mesh
+        base, mesh = self._slot(), self.ctx.mesh
         named = {name: split_slot(base, mesh, dim) for name, dim in dims.items()}
         by_identity = {id(param): named[name] for name, param in meta.named_parameters(remove_duplicate=False)}
         kept = {id(module) for module in meta.modules()}
