@@ -21,7 +21,8 @@ ZERO_IS_VALID = {"lr", "clip_grad_norm", "seed", "num_workers", "ckpt_every", "k
 
 def test_the_table_covers_every_numeric_option() -> None:
     assert len(NUMERIC) == 28 and "loss_scale_init" in NUMERIC and "preempt_check_s" in NUMERIC
-    assert {"peer_poll", "peer_silence", "replicate", "tensor_parallel", "context_parallel", "peer_beats_per_s"} <= set(NUMERIC)
+    assert {"peer_poll", "peer_silence", "replicate", "tensor_parallel", "context_parallel",
+            "peer_beats_per_s"} <= set(NUMERIC)
 
 
 @pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "-1", "0", "1e30", str(10**30)])
