@@ -26,7 +26,7 @@ from ddp_amp.distributed import DistContext
 from ddp_amp.torch_api import TENSOR_PARALLEL
 from tests.multiproc import run_ranks
 from tests.resume_harness import build_trainer, config
-from tests.text_model import conversations, corpus_documents, make_model_dir, write_jsonl
+from tests.text_model import corpus_documents, make_model_dir, split_corpus, write_jsonl
 from tests.torch_features import needs
 
 pytestmark = needs(TENSOR_PARALLEL)  # FSDP2 over 2-d meshes, as tensor parallel needs it
@@ -40,11 +40,7 @@ SHAPES = {"cp2": (2, 1, False, 2), "cp4": (4, 1, False, 4), "cp2 x tp2": (2, 2, 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("cp")
-    return {"model": make_model_dir(folder / "model", vocab_size=256, width=32, layers=2, heads=2,
-                                     max_positions=128),
-            "text": write_jsonl(folder / "text.jsonl", [{"text": d} for d in corpus_documents(60)]),
-            "chat": write_jsonl(folder / "chat.jsonl", conversations(60)), "cache": folder / "cache"}
+    return split_corpus(tmp_path_factory.mktemp("cp"))
 
 
 def _config(corpus: dict[str, Path], data: str, context_parallel: int = 1, tensor_parallel: int = 1,
@@ -169,23 +165,6 @@ def test_the_load_balanced_cut_pairs_an_early_chunk_with_a_late_one() -> None:
     kept = [SequenceSplit(4, rank, None).keep(window)[0].tolist() for rank in range(4)]
     assert kept == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
     assert sorted(position for part in kept for position in part) == list(range(16))
-
-
-@pytest.mark.parametrize(("flags", "fragment"), [
-    (["--context-parallel", "2"], "--context-parallel=2: expected a divisor of the world size (1)"),
-    (["--context-parallel", "2", "--compile"], "--compile=True: expected no --compile with --context-parallel"),
-    (["--context-parallel", "2", "--static-graph"], "--static-graph=True: expected an option that works with "
-                                                    "--context-parallel"),
-])
-def test_a_layout_that_cannot_split_sequences_is_one_line_before_anything_is_written(
-        flags: list[str], fragment: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from ddp_amp.train import main as train_main
-
-    run = tmp_path / "run"
-    assert train_main(["--task", "mlp", "--device", "cpu", "--max-steps", "2", "--run-dir", str(run), *flags]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and fragment in lines[0] and "hint:" in lines[0], lines
-    assert not run.exists()
 
 
 def test_a_split_sequence_run_composes_with_the_run_options_through_the_cli(tmp_path: Path) -> None:

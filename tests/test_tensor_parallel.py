@@ -23,7 +23,7 @@ from ddp_amp.distributed import DistContext
 from ddp_amp.torch_api import TENSOR_PARALLEL, DTensor
 from tests.multiproc import run_ranks
 from tests.resume_harness import build_trainer, config, whole_state
-from tests.text_model import conversations, corpus_documents, make_model_dir, write_jsonl
+from tests.text_model import split_corpus
 from tests.torch_features import needs
 
 pytestmark = needs(TENSOR_PARALLEL)
@@ -35,11 +35,7 @@ SHAPES = {"tp2": (2, False, 2), "tp2 x shard2": (2, True, 4), "tp2 x replicate2"
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("tp")
-    return {"model": make_model_dir(folder / "model", vocab_size=256, width=32, layers=2, heads=2,
-                                     max_positions=128),
-            "text": write_jsonl(folder / "text.jsonl", [{"text": d} for d in corpus_documents(60)]),
-            "chat": write_jsonl(folder / "chat.jsonl", conversations(60)), "cache": folder / "cache"}
+    return split_corpus(tmp_path_factory.mktemp("tp"))
 
 
 def _config(corpus: dict[str, Path], tensor_parallel: int = 1, shard: bool = False, **overrides: Any) -> Any:
@@ -171,6 +167,10 @@ def test_a_split_run_reads_its_slices_of_pretrained_weights_and_exports_whole_on
     (["--tensor-parallel", "2", "--static-graph"], "--static-graph=True: expected an option that works with "
                                                    "--tensor-parallel"),
     (["--tensor-parallel", "2", "--replicate", "2"], "--replicate=2: expected --shard with it"),
+    (["--context-parallel", "2"], "--context-parallel=2: expected a divisor of the world size (1)"),
+    (["--context-parallel", "2", "--compile"], "--compile=True: expected no --compile with --context-parallel"),
+    (["--context-parallel", "2", "--static-graph"], "--static-graph=True: expected an option that works with "
+                                                    "--context-parallel"),
 ])
 def test_a_layout_that_cannot_split_is_one_line_before_anything_is_written(
         flags: list[str], fragment: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -63,6 +63,14 @@ def make_model_dir(folder: Path, vocab_size: int = 512, width: int = 64, layers:
     return folder
 
 
+def split_corpus(folder: Path) -> dict[str, Path]:
+    """What the tensor- and context-parallel tests train on: a tiny Llama's directory (width 32,
+    2 layers, 2 heads, 256 tokens), 60 documents of text and 60 conversations, a data cache."""
+    return {"model": make_model_dir(folder / "model", vocab_size=256, width=32, layers=2, heads=2, max_positions=128),
+            "text": write_jsonl(folder / "text.jsonl", [{"text": d} for d in corpus_documents(60)]),
+            "chat": write_jsonl(folder / "chat.jsonl", conversations(60)), "cache": folder / "cache"}
+
+
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_amp.bench.table import grid
-from ddp_amp.bench.targets import target_fields
+from ddp_amp.bench.targets import checks_cell, target_fields
 from ddp_amp.bench.tensor_parallel import SavedForBackward
 from ddp_amp.distributed import DistContext
 from ddp_amp.distributed.spawn import run_ranks
@@ -149,9 +149,7 @@ def cp_table(section: dict[str, Any]) -> str:
              f"{shape['budget_mib']} MiB of activations")
     rows = [[row["ranks"], row["activations"] / 2**20, row["activations_ratio"], row["gathered"] / 2**20,
              row["attention_flops"] / 1e9, row["flops_per_gathered_byte"] or "-", row["longest_within_budget"],
-             "; ".join(f"{check['figure']} {check['measured']:.3g} <= {check['target']:g}: "
-                       f"{ {True: 'met', False: 'MISSED', None: 'n/a'}[check['meets_target']]}"
-                       for check in row.get("target_checks", []))]
+             checks_cell(row)]
             for row in section["rows"]]
     return title + "\n" + grid(["ranks", "activations MiB", "/ one rank", "gathered MiB (fwd)", "attention GFLOP",
                                 "FLOP / byte moved", "longest window", "targets"], rows)

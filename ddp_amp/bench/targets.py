@@ -44,6 +44,13 @@ def target_fields(figure: str, measured: float | None, target: float, compare: s
     return fields
 
 
+def checks_cell(row: dict[str, Any]) -> str:
+    """A table cell of a row's target checks: 'figure 0.44 <= 0.6: met; ...' (empty without any)."""
+    return "; ".join(f"{check['figure']} {check['measured']:.3g} <= {check['target']:g}: "
+                     f"{ {True: 'met', False: 'MISSED', None: 'n/a'}[check['meets_target']]}"
+                     for check in row.get("target_checks", []))
+
+
 def verdict_text(fields: dict[str, Any]) -> str:
     """'target at most 1.05: MISSED', with the note where there is one."""
     verdict = {True: "met", False: "MISSED", None: "not applicable here"}[fields["meets_target"]]

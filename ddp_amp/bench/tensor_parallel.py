@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ddp_amp.bench.table import grid
-from ddp_amp.bench.targets import target_fields
+from ddp_amp.bench.targets import checks_cell, target_fields
 from ddp_amp.distributed import DistContext
 from ddp_amp.distributed.spawn import run_ranks
 from ddp_amp.parallel import ShardOptions
@@ -178,9 +178,7 @@ def tp_table(section: dict[str, Any]) -> str:
              "and loss parallel) against sharded (FSDP2) over as many ranks")
     rows = [[row["layout"], row["ranks"], row["parameters"] / 2**20, row.get("parameters_ratio", 1.0),
              row["activations"] / 2**20, row.get("activations_ratio", 1.0),
-             "; ".join(f"{check['figure']} {check['measured']:.3g} <= {check['target']:g}: "
-                       f"{ {True: 'met', False: 'MISSED', None: 'n/a'}[check['meets_target']]}"
-                       for check in row.get("target_checks", []))]
+             checks_cell(row)]
             for row in section["rows"]]
     return title + "\n" + grid(["layout", "ranks", "params MiB", "/ one rank", "activations MiB", "/ one rank",
                                 "targets"], rows)
