@@ -68,7 +68,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                     "--resume-repeats", "1",
                     "--data-copies", "1", "--data-trials", "1",
                     "--tp-width", "64", "--tp-layers", "1", "--tp-vocab", "512", "--tp-tokens", "16",
-                    "--cp-width", "64", "--cp-tokens", "256", "--cp-budget-mib", "24", "--cp-longest", "1024",
+                    "--cp-width", "64", "--cp-layers", "1", "--cp-tokens", "1024", "--cp-budget-mib", "24",
+                    "--cp-longest", "1024",
                     "--check", "--json", str(out))
     assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-3000:]
     return result, json.loads(out.read_text())
@@ -156,7 +157,7 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None
         assert rows[0]["longest_within_budget"] <= rows[1]["longest_within_budget"] <= rows[2]["longest_within_budget"]
         assert rows[2]["longest_within_budget"] > rows[0]["longest_within_budget"], rows
         assert all(check["meets_target"] is None for row in rows for check in row.get("target_checks", []))
-        assert "Context parallel: per rank, one window of 256 tokens" in text
+        assert "Context parallel: per rank, one window of 1024 tokens" in text
     # The real judges against one real store, 16 ranks each with its own connection, one
     # stopping: named, and no other; the rate achieved is reported beside the one asked.
     (scale_row,) = report["sections"]["scale"]["rows"]

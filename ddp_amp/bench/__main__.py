@@ -179,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cp: tokens of the one window measured (default: %(default)s)")
     parser.add_argument("--cp-width", type=int, default=context_parallel.WindowShape.width,
                         help="cp: the Llama's hidden size, heads of 32 (default: %(default)s)")
+    parser.add_argument("--cp-layers", type=int, default=context_parallel.WindowShape.layers,
+                        help="cp: the Llama's layers (default: %(default)s)")
     parser.add_argument("--cp-budget-mib", type=int, default=context_parallel.WindowShape.budget_mib,
                         help="cp: the activations per rank the longest window must fit (default: %(default)s)")
     parser.add_argument("--cp-longest", type=int, default=context_parallel.WindowShape.longest_tried,
@@ -334,7 +336,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if TENSOR_PARALLEL.available():
             width = args.cp_width
             section = context_parallel.run(context_parallel.WindowShape(
-                width=width, heads=max(2, width // 32), kv_heads=max(1, width // 128), tokens=args.cp_tokens,
+                width=width, layers=args.cp_layers, heads=max(2, width // 32), kv_heads=max(1, width // 128),
+                tokens=args.cp_tokens,
                 budget_mib=args.cp_budget_mib, longest_tried=args.cp_longest))
         else:
             section = {"skipped": f"{TENSOR_PARALLEL.name} needs torch >= {TENSOR_PARALLEL.needs[0]}."

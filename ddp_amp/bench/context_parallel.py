@@ -11,15 +11,20 @@ split: what context parallelism changes), fp32, one window with its position ids
 - gathered: the bytes of the keys and values each rank's attention layers gathered in that
   forward (counted by the attention function); a step moves as much again in backward, where
   their gradients are summed back (a reduce-scatter);
-- attention FLOPs: each rank's queries against the whole window, forward and backward
-  (3 x the forward's 2 matmuls of 2 x B x H x L/N x L x D: the masked kernel computes the full
-  rectangle), and the FLOPs per byte gathered;
+- attention FLOPs: each rank's queries against the keys up to each of its chunks' end, forward
+  and backward (3 x the forward's 2 matmuls of 2 x H x D a query-key pair: the masked kernel
+  computes every pair of those rectangles, (2N + 1) chunk squares; unsplit, the causal half of
+  the window's square), and the FLOPs per byte gathered;
+- mask: what of the activations falls as the square of the window, not linearly: the attention
+  masks of a rank's two chunks against the keys up to each one's end, (2N + 1) chunk squares
+  (about L^2 / 2N) in the queries' dtype, made once per forward (not per layer);
 - longest window: the longest of the windows tried, doubling from 1,024 tokens, whose
   activations per rank fit `budget_mib` (measured at each length, not extrapolated).
 
 Target (checked from 4,096 tokens): at N ranks the activations per rank are at most
-TARGET_ACTIVATIONS[N] of one rank's (1/N, plus what every rank holds whole: the gathered keys
-and values, and a mask of L/N x L).
+TARGET_ACTIVATIONS[N] of one rank's: 1/N, plus the gathered keys and values and the mask. The
+mask is about L^2/2N against activations linear in L and in the layers, so the default shape has the
+layers and width that keep it a modest share at 8,192 tokens, as a real model's many layers do.
 """
 
 from __future__ import annotations
@@ -48,10 +53,10 @@ FIRST_TRIED = 1024
 class WindowShape:
     """A small Llama (grouped-query heads, as Llama 3's) and the window measured."""
 
-    width: int = 256
-    layers: int = 2
-    heads: int = 8
-    kv_heads: int = 2
+    width: int = 512
+    layers: int = 4
+    heads: int = 16
+    kv_heads: int = 4
     vocab: int = 4096
     tokens: int = 8192
     budget_mib: int = 1024
@@ -90,9 +95,18 @@ def _held(ctx: DistContext, shape: WindowShape, tokens: int) -> dict[str, int]:
     return {"activations": kept, "gathered": attention.gathered_bytes if attention is not None else 0}
 
 
+def _rectangles(tokens: int, degree: int) -> float:
+    """The query x key pairs a rank's attention computes: chunk c of 2N against the first c + 1
+    chunks, for its two chunks (2N + 1 chunk squares); unsplit, the causal half of the square."""
+    if degree == 1:
+        return tokens * tokens / 2
+    chunk = tokens / (2 * degree)
+    return chunk * chunk * (2 * degree + 1)
+
+
 def _attention_flops(shape: WindowShape, tokens: int, degree: int) -> float:
-    head = shape.width // shape.heads
-    return 3 * 2 * 2 * shape.heads * (tokens / degree) * tokens * head
+    """Forward and backward (3 x the forward's 2 matmuls, 2 FLOPs a multiply-add) over the pairs."""
+    return 3 * 2 * 2 * shape.heads * (shape.width // shape.heads) * _rectangles(tokens, degree)
 
 
 def _measure(shape: WindowShape, degree: int, tokens: int) -> dict[str, int]:
@@ -114,6 +128,7 @@ def run(shape: WindowShape | None = None) -> dict[str, Any]:
         measured = _measure(shape, degree, shape.tokens)
         flops = _attention_flops(shape, shape.tokens, degree)
         row: dict[str, Any] = {"ranks": degree, **measured, "attention_flops": flops,
+                               "mask": int(_rectangles(shape.tokens, degree)) * 4 if degree > 1 else 0,
                                "flops_per_gathered_byte": flops / (2 * measured["gathered"]) if measured["gathered"]
                                else None}
         row["activations_ratio"] = measured["activations"] / rows[0]["activations"] if rows else 1.0
@@ -147,9 +162,10 @@ def cp_table(section: dict[str, Any]) -> str:
              f"{shape['width']}, {shape['layers']} layers, {shape['heads']} heads ({shape['kv_heads']} key/value), "
              f"fp32, the model whole on every rank; the longest window (doubling from {FIRST_TRIED}) within "
              f"{shape['budget_mib']} MiB of activations")
-    rows = [[row["ranks"], row["activations"] / 2**20, row["activations_ratio"], row["gathered"] / 2**20,
+    rows = [[row["ranks"], row["activations"] / 2**20, row["activations_ratio"], row["mask"] / 2**20,
+             row["gathered"] / 2**20,
              row["attention_flops"] / 1e9, row["flops_per_gathered_byte"] or "-", row["longest_within_budget"],
              checks_cell(row)]
             for row in section["rows"]]
-    return title + "\n" + grid(["ranks", "activations MiB", "/ one rank", "gathered MiB (fwd)", "attention GFLOP",
-                                "FLOP / byte moved", "longest window", "targets"], rows)
+    return title + "\n" + grid(["ranks", "activations MiB", "/ one rank", "of which mask MiB", "gathered MiB (fwd)",
+                                "attention GFLOP", "FLOP / byte moved", "longest window", "targets"], rows)

@@ -62,6 +62,7 @@ class SequenceSplit:
     rank: int
     group: dist.ProcessGroup | None = field(repr=False)
     _positions: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
+    _orders: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def positions(self, length: int, device: torch.device) -> torch.Tensor:
         """The window positions this rank keeps, in its order (cached per length and device)."""
@@ -71,6 +72,14 @@ class SequenceSplit:
             part = length // self.degree
             self._positions[key] = chunk_order(length, self.degree, device)[self.rank * part:(self.rank + 1) * part]
         return self._positions[key]
+
+    def window_order(self, length: int, device: torch.device) -> torch.Tensor:
+        """Where each position of the window lies among the ranks' parts gathered in rank order
+        (the inverse of `chunk_order`), cached per length and device."""
+        key = (length, str(device))
+        if key not in self._orders:
+            self._orders[key] = torch.argsort(chunk_order(length, self.degree, device))
+        return self._orders[key]
 
     def keep(self, batch: Any) -> Any:
         """`batch` with each tensor of 2 or more dimensions cut to this rank's positions along
@@ -115,38 +124,50 @@ def document_ids(positions: torch.Tensor) -> torch.Tensor:
 
 
 class ContextAttention:
-    """A transformers attention function over the cp group: queries of this rank's chunks,
+    """A transformers attention function over the cp group: queries of this rank's two chunks,
     keys and values of the whole window (gathered), the causal and document masks of the
-    unsplit window. Its masks are made once per forward (every layer gets the same position
-    ids tensor) and reused by the layers after the first."""
+    unsplit window. The gathered keys are put back in window order, and each chunk's queries
+    attend only to the keys up to the chunk's own end (every later key is masked for all of
+    them): chunk c against the first c + 1 chunks. Half the mask, and half the attention, of
+    one rectangle over the window. The masks are made once per forward (every layer gets the
+    same position ids tensor) and reused by the layers after the first."""
 
     def __init__(self, split: SequenceSplit) -> None:
         self.split = split
         self._masked_for: torch.Tensor | None = None
-        self._mask: torch.Tensor | None = None
+        self._masks: list[torch.Tensor] = []
         self.gathered_bytes = 0  # the keys and values gathered so far (what `python -m ddp_amp.bench` reports)
 
-    def mask(self, given: torch.Tensor, batch: int, length: int, dtype: torch.dtype) -> torch.Tensor:
-        """(batch, 1, this rank's length, length) in `dtype`: 0 where a query may attend a key, -inf
-        where not, keys in gathered (rank) order, for the position ids `given` to the model. One
-        tensor for every layer of a forward: the attention kernels keep their mask for backward,
-        and one in the queries' dtype is kept as it is (a bool one is converted, and kept, per layer)."""
-        if self._masked_for is given and self._mask is not None and self._mask.dtype == dtype:
-            return self._mask
+    def chunks(self) -> tuple[int, int]:
+        """The two chunks of 2N this rank holds, in its order."""
+        return self.split.rank, 2 * self.split.degree - 1 - self.split.rank
+
+    def masks(self, given: torch.Tensor, batch: int, length: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """For each of this rank's chunks, (batch, 1, chunk, chunk's end) in `dtype`: 0 where a
+        query may attend a key, -inf where not, keys in window order from the first, for the
+        position ids `given` to the model. One tensor per chunk for every layer of a forward: the
+        attention kernels keep their mask for backward, and one in the queries' dtype is kept as
+        it is (a bool one is converted, and kept, per layer)."""
+        if self._masked_for is given and self._masks and self._masks[0].dtype == dtype:
+            return self._masks
         split, device = self.split, given.device
         local_positions = given.expand(batch, -1)
-        order = chunk_order(length, split.degree, device)
         gathered = [torch.empty_like(local_positions) for _ in range(split.degree)]
         dist.all_gather(gathered, local_positions.contiguous(), group=split.group)
         natural = local_positions.new_empty(batch, length)
-        natural[:, order] = torch.cat(gathered, dim=1)
+        natural[:, chunk_order(length, split.degree, device)] = torch.cat(gathered, dim=1)
         documents = document_ids(natural)
-        queries = split.positions(length, device)
-        causal = order[None, :] <= queries[:, None]
-        allowed = causal[None] & (documents[:, queries, None] == documents[:, None, order])
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-        self._masked_for, self._mask = given, mask[:, None]
-        return self._mask
+        size = length // (2 * split.degree)
+        masks = []
+        for chunk in self.chunks():
+            start, end = chunk * size, (chunk + 1) * size
+            queries, keys = torch.arange(start, end, device=device), torch.arange(end, device=device)
+            allowed = (keys[None, :] <= queries[:, None])[None] & (documents[:, start:end, None] ==
+                                                                   documents[:, None, :end])
+            masks.append(torch.zeros(allowed.shape, dtype=dtype, device=device)
+                         .masked_fill_(~allowed, float("-inf"))[:, None])
+        self._masked_for, self._masks = given, masks
+        return masks
 
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
@@ -160,12 +181,20 @@ class ContextAttention:
         keys = _GatherSequence.apply(key, split.group, split.degree)
         values = _GatherSequence.apply(value, split.group, split.degree)
         self.gathered_bytes += keys.nbytes + values.nbytes
-        if keys.shape[1] != query.shape[1]:  # grouped-query attention: each key head serves several queries
-            repeat = query.shape[1] // keys.shape[1]
-            keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
-        mask = self.mask(positions, query.shape[0], keys.shape[2], query.dtype)
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
+        length = keys.shape[2]
+        in_window_order = split.window_order(length, keys.device)
+        keys, values = keys.index_select(2, in_window_order), values.index_select(2, in_window_order)
+        size = length // (2 * split.degree)
+        # grouped-query attention: each key head serves several query heads, without copies
+        grouped = keys.shape[1] != query.shape[1]
+        parts = []
+        for part, (chunk, mask) in enumerate(zip(self.chunks(), self.masks(positions, query.shape[0], length,
+                                                                           query.dtype))):
+            end = (chunk + 1) * size
+            parts.append(F.scaled_dot_product_attention(query[:, :, part * size:(part + 1) * size], keys[:, :, :end],
+                                                        values[:, :, :end], attn_mask=mask, dropout_p=dropout,
+                                                        scale=scaling, enable_gqa=grouped))
+        return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
 
 
 def split_attention(model: nn.Module, split: SequenceSplit, flag: str = "--context-parallel") -> ContextAttention:
