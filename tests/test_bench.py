@@ -68,7 +68,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                     "--resume-repeats", "1",
                     "--data-copies", "1", "--data-trials", "1",
                     "--tp-width", "64", "--tp-layers", "1", "--tp-vocab", "512", "--tp-tokens", "16",
-                    "--cp-width", "64", "--cp-layers", "1", "--cp-tokens", "1024", "--cp-budget-mib", "24",
+                    "--cp-width", "64", "--cp-layers", "1", "--cp-tokens", "1024", "--cp-budget-mib", "20",
                     "--cp-longest", "1024",
                     "--check", "--json", str(out))
     assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-3000:]
