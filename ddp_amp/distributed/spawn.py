@@ -45,7 +45,10 @@ def free_port() -> int:
 
 
 # Imported by the fork server before it forks any child: what every child needs anyway.
-_PRELOAD = ["torch", "torch.distributed", "ddp_amp.distributed.group", "ddp_amp.env"]
+# transformers' Llama too where it is installed (the forkserver skips a module it cannot import):
+# the benchmark's and the tests' children build it, and it costs a new interpreter seconds more.
+_PRELOAD = ["torch", "torch.distributed", "ddp_amp.distributed.group", "ddp_amp.env",
+            "transformers.models.llama.modeling_llama"]
 
 
 def _received_fd(wrapped: Any) -> int:
