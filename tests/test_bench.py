@@ -23,7 +23,7 @@ from ddp_amp.bench.targets import check_report, target_fields
 from ddp_amp.torch_api import GLOO_CONNECTS_LAZILY, SHARDING, TENSOR_PARALLEL
 from tests.multiproc import REPO_ROOT, cli_env
 
-Run = tuple[subprocess.CompletedProcess[str], dict[str, Any]]
+Run = tuple[list[subprocess.CompletedProcess[str]], dict[str, Any]]
 
 
 def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -54,30 +54,51 @@ def test_a_bad_value_is_a_one_line_usage_error(bad: tuple[str, str], named: str)
     assert named in result.stderr and "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1
 
 
+# The tiny run's sections in two processes at once, about equal halves: most sections leave one
+# of the two cores idle (one process, or ranks waiting on each other). The first half holds the
+# sections that state no target, so that its --check names them on one line.
+TINY_HALVES = ("recipe,fastpaths,checkpoint,memory,data", "host,overhead,transformer,resume,scale,tp,cp")
+TINY_ARGS = ("--device", "cpu", "--scale", "0.004", "--batches", "2", "--epochs", "1",
+             "--blocks", "2", "--steps-per-block", "1", "--transformer-precisions", "fp32,fp8",
+             "--memory-width", "64", "--memory-layers", "4",
+             "--build-width", "64", "--build-layers", "4", "--build-llama-width", "64",
+             "--build-llama-layers", "1", "--build-runs", "1",
+             "--activation-width", "32", "--activation-layers", "2", "--activation-tokens", "16",
+             "--scale-ranks", "16", "--scale-silence", "2", "--resume-ranks", "4,16", "--resume-widths", "256",
+             "--resume-repeats", "1",
+             "--data-copies", "1", "--data-trials", "1",
+             "--tp-width", "64", "--tp-layers", "1", "--tp-vocab", "512", "--tp-tokens", "16",
+             "--cp-width", "64", "--cp-layers", "1", "--cp-tokens", "1024", "--cp-budget-mib", "20",
+             "--cp-longest", "1024")
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """One tiny CPU run of every section, with --check and --json, for the tests below."""
-    out = tmp_path_factory.mktemp("bench") / "bench.json"
-    result = _bench("--device", "cpu", "--scale", "0.004", "--batches", "2", "--epochs", "1",
-                    "--blocks", "2", "--steps-per-block", "1", "--transformer-precisions", "fp32,fp8",
-                    "--memory-width", "64", "--memory-layers", "4",
-                    "--build-width", "64", "--build-layers", "4", "--build-llama-width", "64",
-                    "--build-llama-layers", "1", "--build-runs", "1",
-                    "--activation-width", "32", "--activation-layers", "2", "--activation-tokens", "16",
-                    "--scale-ranks", "16", "--scale-silence", "2", "--resume-ranks", "4,16", "--resume-widths", "256",
-                    "--resume-repeats", "1",
-                    "--data-copies", "1", "--data-trials", "1",
-                    "--tp-width", "64", "--tp-layers", "1", "--tp-vocab", "512", "--tp-tokens", "16",
-                    "--cp-width", "64", "--cp-layers", "1", "--cp-tokens", "1024", "--cp-budget-mib", "20",
-                    "--cp-longest", "1024",
-                    "--check", "--json", str(out))
-    assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-3000:]
-    return result, json.loads(out.read_text())
+    """A tiny CPU run of every section, with --check and --json, for the tests below: each half
+    of the sections one process, and their reports' sections together in one report."""
+    folder = tmp_path_factory.mktemp("bench")
+    outs = [folder / f"bench-{half}.json" for half in range(len(TINY_HALVES))]
+    procs = [subprocess.Popen([sys.executable, "-m", "ddp_amp.bench", *TINY_ARGS, "--sections", sections,
+                               "--check", "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=cli_env(), cwd=REPO_ROOT)
+             for sections, out in zip(TINY_HALVES, outs)]
+    results = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=400)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    for result in results:
+        assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-3000:]
+    first, *others = [json.loads(out.read_text()) for out in outs]
+    for other in others:
+        assert {key: value for key, value in other.items() if key not in ("sections", "command", "date")} == {
+            key: value for key, value in first.items() if key not in ("sections", "command", "date")}
+        first["sections"].update(other["sections"])
+    return results, first
 
 
 def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None:
-    result, report = tiny_run
-    text = result.stdout
+    results, report = tiny_run
+    text = "".join(result.stdout for result in results)
     for trial in ("fp32", "fp16", "bf16"):
         assert f"\n{trial} " in text, trial
     assert "trainer / hand-written recipe:" in text and "IQR" in text
@@ -198,13 +219,17 @@ def test_tiny_cpu_run_prints_every_figure_and_writes_json(tiny_run: Run) -> None
 
 
 def test_check_lists_every_target_and_exits_1_exactly_when_one_is_missed(tiny_run: Run) -> None:
-    result, report = tiny_run
+    results, report = tiny_run
     host = report["sections"]["host"]["rows"]
     missed = [row for row in host if row["over_hand"]["median"] > row["target"]]
-    any_missed = [outcome for outcome in check_report(report)[0] if outcome.met is False]
-    assert result.returncode == (1 if any_missed else 0), result.stderr[-3000:]
-    text = result.stdout[result.stdout.index("Targets (--check) on cpu:"):]
-    lines = text.splitlines()[1:]
+    for result, sections in zip(results, TINY_HALVES):  # each process's exit: its own sections' targets
+        own = {"device": report["device"],
+               "sections": {name: report["sections"][name] for name in sections.split(",")}}
+        any_missed = [outcome for outcome in check_report(own)[0] if outcome.met is False]
+        assert result.returncode == (1 if any_missed else 0), result.stderr[-3000:]
+    blocks = [result.stdout[result.stdout.index("Targets (--check) on cpu:"):] for result in results]
+    text = "".join(blocks)
+    lines = [line for block in blocks for line in block.splitlines()[1:]]
     # compared on any device; the sharded rows where torch shards
     assert len([line for line in lines if " host " in line]) == len(host) == (14 if SHARDING.available() else 12)
     assert all(line.lstrip().startswith(("met ", "MISSED ")) for line in lines if " host " in line)
@@ -217,9 +242,9 @@ def test_check_lists_every_target_and_exits_1_exactly_when_one_is_missed(tiny_ru
     if SHARDING.available():
         assert len(sharded) == 6
     else:  # the sections that shard are not run, and the run says why
-        assert not sharded and "memory: not run: sharding (FSDP2) needs torch >= 2.7" in result.stdout
+        assert not sharded and "memory: not run: sharding (FSDP2) needs torch >= 2.7" in results[0].stdout
         assert report["sections"]["resume"] == {"skipped": report["sections"]["memory"]["skipped"]}
-    assert ("targets missed: host" in result.stderr) == bool(missed)
+    assert ("targets missed: host" in results[1].stderr) == bool(missed)
 
 
 def test_a_missed_target_fails_the_check_also_in_a_row_added_later(tiny_run: Run,
