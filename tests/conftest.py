@@ -47,5 +47,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under `pytest -n N`, workers take whole files (tests/file_scheduling.py); another
+    `--dist` than the default is left to xdist."""
+    if config.getvalue("dist") not in ("load", "loadfile"):
+        return None
+    from tests.file_scheduling import FileScheduling
+
+    return FileScheduling(config, log)
+
+
 # The real local Slurm cluster (slurm/local_cluster.py), started once per session on demand.
 from tests.slurm_cluster import slurm_cluster  # noqa: E402,F401
