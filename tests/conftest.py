@@ -49,8 +49,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Under `pytest -n N`, workers take whole files (tests/file_scheduling.py); another
-    `--dist` than the default is left to xdist."""
+    """Under `pytest -n N` (xdist's default `--dist load`, or `loadfile`), workers take whole
+    files (tests/file_scheduling.py); the other `--dist` modes are left to xdist."""
     if config.getvalue("dist") not in ("load", "loadfile"):
         return None
     from tests.file_scheduling import FileScheduling
